@@ -1,0 +1,23 @@
+"""trainer_ext: one transformers training script for one CPU, N GPUs with DeepSpeed ZeRO-2, or FairScale
+sharded DDP. Heavy names load on first use, so `trainer_ext.deepspeed_config` imports without torch."""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "ExtTrainingArguments": ".args",
+    "ExtArgumentParser": ".args",
+    "build_deepspeed_config": ".deepspeed_config",
+    "resolve_deepspeed_config": ".deepspeed_config",
+    "load_deepspeed_config": ".deepspeed_config",
+    "DeepSpeedConfigError": ".deepspeed_config",
+    "ArgumentsError": ".options",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'trainer_ext' has no attribute {name!r}")

@@ -1,0 +1,85 @@
+"""ExtTrainingArguments: transformers' TrainingArguments plus the v4 flags our users still type, validated
+at parse time, and the DeepSpeed config resolved against the flags before transformers sees it."""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from dataclasses import dataclass, field
+
+from transformers import HfArgumentParser, TrainingArguments
+
+from .deepspeed_config import DeepSpeedConfigError, load_deepspeed_config, resolve_deepspeed_config
+from .options import (FP16_BACKENDS, FP16_OPT_LEVELS, SHARDED_DDP_OPTIONS, ArgumentsError, check_fp16_backend,
+                      merge_warmup_ratio, parse_sharded_ddp)
+
+
+@dataclass
+class ExtTrainingArguments(TrainingArguments):
+    sharded_ddp: list[str] | None = field(
+        default=None,
+        metadata={"help": "FairScale sharded DDP: 'simple', or 'zero_dp_2'/'zero_dp_3' optionally with 'offload' "
+                          f"(space separated). Options: {', '.join(SHARDED_DDP_OPTIONS)}."},
+    )
+    fp16_backend: str = field(
+        default="auto", metadata={"help": "Mixed precision backend for --fp16.", "choices": list(FP16_BACKENDS)}
+    )
+    fp16_opt_level: str = field(
+        default="O1", metadata={"help": "Apex AMP optimisation level.", "choices": list(FP16_OPT_LEVELS)}
+    )
+    warmup_ratio: float = field(
+        default=0.0, metadata={"help": "transformers v4 spelling: warm up over this fraction of the training steps."}
+    )
+
+    def __post_init__(self):
+        self.sharded_ddp = parse_sharded_ddp(self.sharded_ddp)
+        check_fp16_backend(self.fp16_backend, self.fp16_opt_level)
+        self.warmup_steps = merge_warmup_ratio(self.warmup_steps, self.warmup_ratio)
+        if self.sharded_ddp and self.deepspeed:
+            raise ArgumentsError(f"--sharded_ddp {' '.join(self.sharded_ddp)} and --deepspeed both choose a "
+                                 "backend: give only one of them")
+        self.deepspeed_user_config = None  # the file as given; re-resolved once the step count is known
+        self.deepspeed_resolution = None
+        if self.deepspeed:
+            self.deepspeed_user_config, origin = load_deepspeed_config(self.deepspeed)
+            resolution = resolve_deepspeed_config(self, self.deepspeed_user_config, final=False)
+            for flag, value in resolution.effective_flags.items():
+                setattr(self, flag, value)  # so logs and the Trainer tell the truth
+            self.deepspeed_resolution = resolution
+            self.deepspeed = resolution.config
+        super().__post_init__()
+
+
+class ExtArgumentParser(HfArgumentParser):
+    """HfArgumentParser that reports bad flags as `error: ...` with exit status 2, before any work starts:
+    misspelled flags get the closest valid one, invalid combinations name the option. Abbreviated flags are
+    refused: argparse would silently read a typo like --learning_rat as --learning_rate."""
+
+    def __init__(self, dataclass_types, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(dataclass_types, **kwargs)
+
+    def error(self, message):
+        # argparse would print a usage line of ~150 flags first; the message is what the user needs.
+        self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help for all flags)\n")
+
+    def check_unknown(self, argv) -> None:
+        _, unknown = self.parse_known_args(argv)
+        flags = [word.split("=")[0] for word in unknown if word.startswith("-")]
+        if not flags and not unknown:
+            return
+        valid = [option for action in self._actions for option in action.option_strings]
+        messages = []
+        for word in flags or unknown:
+            hint = difflib.get_close_matches(word, valid, n=1, cutoff=0.6)
+            messages.append(f"unrecognized argument {word}" + (f" (did you mean {hint[0]}?)" if hint else ""))
+        self.error("; ".join(messages))
+
+    def parse_args_into_dataclasses(self, args=None, **kwargs):
+        argv = sys.argv[1:] if args is None else list(args)
+        if not kwargs.get("return_remaining_strings"):
+            self.check_unknown(argv)
+        try:
+            return super().parse_args_into_dataclasses(args=argv, **kwargs)
+        except (ArgumentsError, DeepSpeedConfigError) as err:
+            self.error(str(err))

@@ -1,0 +1,63 @@
+"""`trainer-ext` command line: thin subcommands over the modules of the package."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+USAGE = """usage: trainer-ext COMMAND [options]
+
+commands:
+  ds-config   print the complete DeepSpeed config for a file and TrainingArguments flags
+              trainer-ext ds-config --deepspeed FILE|PRESET [flags] [--world_size N]
+                                    [--num_training_steps N] [--hidden_size N] [--explain]
+"""
+
+
+def ds_config(argv: list[str]) -> int:
+    from .args import ExtArgumentParser, ExtTrainingArguments
+    from .deepspeed_config import DeepSpeedConfigError, explain, resolve_deepspeed_config
+    from .options import ArgumentsError, check_fp16_backend, merge_warmup_ratio
+
+    parser = ExtArgumentParser(ExtTrainingArguments, prog="trainer-ext ds-config",
+                               description="Resolve a DeepSpeed config against TrainingArguments flags.")
+    parser.add_argument("--world_size", type=int, default=None, help="data-parallel ranks of the target run")
+    parser.add_argument("--num_training_steps", type=int, default=None, help="optimizer steps of the run")
+    parser.add_argument("--hidden_size", type=int, default=None, help="model hidden size (sizes 'auto' buckets)")
+    parser.add_argument("--explain", action="store_true", help="print each field and where its value came from")
+    parser.check_unknown(argv)
+    # A namespace, not TrainingArguments: rendering a config for a GPU cluster must work on a CPU login node.
+    args = parser.parse_args(argv)
+    try:
+        check_fp16_backend(args.fp16_backend, args.fp16_opt_level)
+        args.warmup_steps = merge_warmup_ratio(args.warmup_steps, args.warmup_ratio)
+        resolution = resolve_deepspeed_config(args, args.deepspeed or {}, world_size=args.world_size,
+                                              num_training_steps=args.num_training_steps,
+                                              hidden_size=args.hidden_size)
+    except (ArgumentsError, DeepSpeedConfigError) as err:
+        print(f"trainer-ext ds-config: error: {err}", file=sys.stderr)
+        return 2
+    print(explain(resolution) if args.explain else json.dumps(resolution.config, indent=2))
+    return 0
+
+
+COMMANDS = {"ds-config": ds_config}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        import difflib
+        hint = difflib.get_close_matches(command, list(COMMANDS), n=1)
+        print(f"trainer-ext: error: unknown command {command!r}" + (f", did you mean {hint[0]!r}?" if hint else "")
+              + f"\n{USAGE}", file=sys.stderr)
+        return 2
+    return COMMANDS[command](rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Validation of trainer_ext's own flags (--sharded_ddp, --fp16_backend, --warmup_ratio); pure, no torch."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+
+SHARDED_DDP_OPTIONS = ("simple", "zero_dp_2", "zero_dp_3", "offload")
+FP16_BACKENDS = ("auto", "amp", "apex")
+FP16_OPT_LEVELS = ("O0", "O1", "O2", "O3")
+
+
+class ArgumentsError(ValueError):
+    """Flags that cannot work together; raised before any training starts."""
+
+
+def parse_sharded_ddp(value) -> list[str]:
+    """`--sharded_ddp "zero_dp_2 offload"` (or a list) -> ["zero_dp_2", "offload"], with transformers v4 rules."""
+    if value is None or value is False or value == "":
+        return []
+    words = value.split() if isinstance(value, str) else [w for item in value for w in str(item).split()]
+    problems = []
+    for word in words:
+        if word not in SHARDED_DDP_OPTIONS:
+            hint = difflib.get_close_matches(word, SHARDED_DDP_OPTIONS, n=1)
+            problems.append(f"--sharded_ddp: unknown option {word!r}"
+                            + (f", did you mean {hint[0]!r}?" if hint else "")
+                            + f" (valid: {', '.join(SHARDED_DDP_OPTIONS)})")
+    if problems:
+        raise ArgumentsError("\n".join(problems))
+    if len(set(words)) != len(words):
+        raise ArgumentsError(f"--sharded_ddp {' '.join(words)!r}: an option is repeated")
+    if "simple" in words and len(words) > 1:
+        raise ArgumentsError(f"--sharded_ddp {' '.join(words)!r}: 'simple' takes no other option; "
+                             "use 'simple' alone, or 'zero_dp_2'/'zero_dp_3' [offload]")
+    if "zero_dp_2" in words and "zero_dp_3" in words:
+        raise ArgumentsError("--sharded_ddp: 'zero_dp_2' and 'zero_dp_3' exclude each other; choose one")
+    if "offload" in words and not ({"zero_dp_2", "zero_dp_3"} & set(words)):
+        raise ArgumentsError("--sharded_ddp offload needs 'zero_dp_2' or 'zero_dp_3' "
+                             "(e.g. --sharded_ddp \"zero_dp_2 offload\")")
+    return words
+
+
+def check_fp16_backend(backend: str, opt_level: str) -> None:
+    if backend not in FP16_BACKENDS:
+        raise ArgumentsError(f"--fp16_backend {backend!r}: choose one of {', '.join(FP16_BACKENDS)}")
+    if opt_level not in FP16_OPT_LEVELS:
+        raise ArgumentsError(f"--fp16_opt_level {opt_level!r}: choose one of {', '.join(FP16_OPT_LEVELS)}")
+    if backend == "apex" and importlib.util.find_spec("apex") is None:
+        raise ArgumentsError("--fp16_backend apex: NVIDIA apex is not installed "
+                             "(install it from https://github.com/NVIDIA/apex, or use --fp16_backend amp)")
+
+
+def merge_warmup_ratio(warmup_steps: float, warmup_ratio: float) -> float:
+    """The v4 spelling --warmup_ratio R becomes transformers 5's --warmup_steps R (a float < 1 is a ratio)."""
+    if warmup_ratio is None or warmup_ratio == 0:
+        return warmup_steps
+    if not 0 <= warmup_ratio < 1:
+        raise ArgumentsError(f"--warmup_ratio {warmup_ratio}: a ratio must be in [0, 1)")
+    if warmup_steps:
+        raise ArgumentsError(f"--warmup_ratio {warmup_ratio} and --warmup_steps {warmup_steps} both set "
+                             "the warmup: give only one")
+    return warmup_ratio
