@@ -4,14 +4,30 @@ at parse time, and the DeepSpeed config resolved against the flags before transf
 from __future__ import annotations
 
 import difflib
+import logging
+import os
 import sys
 from dataclasses import dataclass, field
 
+import torch
 from transformers import HfArgumentParser, TrainingArguments
 
 from .deepspeed_config import DeepSpeedConfigError, load_deepspeed_config, resolve_deepspeed_config
 from .options import (FP16_BACKENDS, FP16_OPT_LEVELS, SHARDED_DDP_OPTIONS, ArgumentsError, check_fp16_backend,
                       merge_warmup_ratio, parse_sharded_ddp)
+
+logger = logging.getLogger(__name__)
+
+
+def launched_world_size() -> int:
+    """Ranks the launcher (torchrun, torch.distributed.launch, deepspeed) started, from its environment."""
+    value = os.environ.get("WORLD_SIZE", "1").strip()
+    return int(value) if value.isdigit() else 1
+
+
+def accelerator_available() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
 @dataclass
@@ -47,6 +63,11 @@ class ExtTrainingArguments(TrainingArguments):
                 setattr(self, flag, value)  # so logs and the Trainer tell the truth
             self.deepspeed_resolution = resolution
             self.deepspeed = resolution.config
+        if launched_world_size() > 1 and not self.use_cpu and not accelerator_available():
+            # Without it transformers 5 leaves each CPU rank on its own: N independent runs, no error.
+            logger.warning("%d ranks launched and no GPU: setting --use_cpu so the ranks form one gloo "
+                           "process group", launched_world_size())
+            self.use_cpu = True
         super().__post_init__()
 
 

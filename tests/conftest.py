@@ -1,0 +1,70 @@
+"""Shared fixtures: DeepSpeed's own config parser as an oracle, and helpers to run real processes."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+BIN = Path(sys.executable).parent
+DISTRIBUTED_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(cmd, timeout=600, env=None, cwd=REPO):
+    """Run a real process; return CompletedProcess with text output."""
+    full_env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}  # this process's, not the child's
+    full_env.update(PYTHONUNBUFFERED="1", **(env or {}))
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=cwd)
+
+
+class DataParallelWorld:
+    """DeepSpeed's documented `mpu` interface: lets DeepSpeedConfig check batch fields at world size N."""
+
+    def __init__(self, world_size):
+        self.world_size = world_size
+
+    def get_data_parallel_world_size(self):
+        return self.world_size
+
+    def get_data_parallel_rank(self):
+        return 0
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+    def get_model_parallel_rank(self):
+        return 0
+
+
+@pytest.fixture(scope="session")
+def deepspeed_accepts():
+    """Returns check(config, world_size) -> DeepSpeedConfig, parsed by DeepSpeed itself (raises if rejected)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    del os.environ["WORLD_SIZE"]  # the translator must not see this test process's world size
+
+    def check(config, world_size):
+        return DeepSpeedConfig(config, mpu=DataParallelWorld(world_size))
+
+    return check
+
+
+@pytest.fixture(autouse=True)
+def _no_world_size_env(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -1,0 +1,22 @@
+"""Parse ExtTrainingArguments from the command line and print what the run would use, as JSON (one line per rank)."""
+
+import json
+import os
+
+from trainer_ext import ExtArgumentParser, ExtTrainingArguments
+
+(args,) = ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses()
+device = str(args.device)  # sets up the process group, as the Trainer does first
+print("ARGS " + json.dumps({
+    "device": device,
+    "rank": int(os.environ.get("RANK", 0)),
+    "local_rank": args.local_rank,
+    "world_size": args.world_size,
+    "sharded_ddp": args.sharded_ddp,
+    "fp16": args.fp16,
+    "learning_rate": args.learning_rate,
+    "adam_beta1": args.adam_beta1,
+    "weight_decay": args.weight_decay,
+    "warmup_steps": args.warmup_steps,
+    "deepspeed": args.deepspeed,
+}), flush=True)

@@ -1,0 +1,118 @@
+"""ExtTrainingArguments: v4 flags, validation at parse time, and parsing under the real launchers."""
+
+import json
+
+import pytest
+
+from conftest import BIN, PYTHON, REPO, free_port, run
+from trainer_ext import ArgumentsError, ExtTrainingArguments
+
+SCRIPT = REPO / "tests" / "scripts" / "parse_args.py"
+
+
+def parsed(output):
+    """The ARGS line of every rank, by rank."""
+    rows = [json.loads(line[5:]) for line in output.splitlines() if line.startswith("ARGS ")]
+    return {row["rank"]: row for row in rows}
+
+
+@pytest.mark.parametrize("value,expected", [("simple", ["simple"]), ("zero_dp_2", ["zero_dp_2"]),
+                                            ("zero_dp_3 offload", ["zero_dp_3", "offload"]),
+                                            (["zero_dp_2", "offload"], ["zero_dp_2", "offload"]),
+                                            (["zero_dp_2 offload"], ["zero_dp_2", "offload"])])
+def test_sharded_ddp_valid_options(tmp_path, value, expected):
+    assert ExtTrainingArguments(output_dir=str(tmp_path), sharded_ddp=value).sharded_ddp == expected
+
+
+@pytest.mark.parametrize("value,message", [
+    ("simpel", "unknown option 'simpel', did you mean 'simple'?"),
+    ("simple zero_dp_2", "'simple' takes no other option"),
+    ("offload", "--sharded_ddp offload needs 'zero_dp_2' or 'zero_dp_3'"),
+    ("zero_dp_2 zero_dp_3", "'zero_dp_2' and 'zero_dp_3' exclude each other"),
+    ("zero_dp_2 zero_dp_2", "repeated"),
+])
+def test_sharded_ddp_invalid_options_name_the_option(tmp_path, value, message):
+    with pytest.raises(ArgumentsError, match=message.replace("?", r"\?")):
+        ExtTrainingArguments(output_dir=str(tmp_path), sharded_ddp=value)
+
+
+def test_sharded_ddp_with_deepspeed_is_rejected(tmp_path):
+    with pytest.raises(ArgumentsError, match="--sharded_ddp simple and --deepspeed"):
+        ExtTrainingArguments(output_dir=str(tmp_path), sharded_ddp="simple", deepspeed="zero2_minimal")
+
+
+def test_apex_backend_needs_apex(tmp_path):
+    with pytest.raises(ArgumentsError, match="apex is not installed"):
+        ExtTrainingArguments(output_dir=str(tmp_path), fp16_backend="apex")
+
+
+def test_warmup_ratio_is_the_transformers_5_float_warmup(tmp_path):
+    """Classic v4 commands pass --warmup_ratio; transformers 5 only knows a float --warmup_steps."""
+    args = ExtTrainingArguments(output_dir=str(tmp_path), warmup_ratio=0.1)
+    assert args.warmup_steps == 0.1 and args.get_warmup_steps(200) == 20
+    with pytest.raises(ArgumentsError, match="--warmup_ratio 0.1 and --warmup_steps 5"):
+        ExtTrainingArguments(output_dir=str(tmp_path), warmup_ratio=0.1, warmup_steps=5)
+    with pytest.raises(ArgumentsError, match=r"\[0, 1\)"):
+        ExtTrainingArguments(output_dir=str(tmp_path), warmup_ratio=1.5)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sharded_ddp", "simple", "zero_dp_2"], "--sharded_ddp"),
+    (["--sharded_ddp", "zero_dp_3", "--deepspeed", "zero2"], "--deepspeed"),
+    (["--shardedddp", "simple"], "did you mean --sharded_ddp?"),
+    (["--fp16_backend", "amq"], "--fp16_backend"),
+    (["--deepspeed", '{"zero_optimisation": {"stage": 2}}'], "did you mean 'zero_optimization'?"),
+    (["--deepspeed", "zero2", "--learning_rate", "1e-4"], "--learning_rate 0.0001"),
+])
+def test_bad_flags_fail_at_parsing_with_exit_2(tmp_path, argv, message):
+    """Bad flags must stop the script before any work, with the option named."""
+    out = run([PYTHON, SCRIPT, "--output_dir", tmp_path, *argv])
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert message in out.stderr
+    assert "ARGS" not in out.stdout
+
+
+def test_classic_config_and_other_forms_parse_in_one_process(tmp_path):
+    """Every --deepspeed form resolves, and the classic file's values reach the arguments."""
+    path = tmp_path / "ds.json"
+    path.write_text((REPO / "ds_configs" / "zero2.json").read_text())
+    for value in (str(path), "zero2"):
+        args = parsed(run([PYTHON, SCRIPT, "--output_dir", tmp_path, "--deepspeed", value]).stdout)[0]
+        assert (args["fp16"], args["learning_rate"], args["adam_beta1"], args["weight_decay"],
+                args["warmup_steps"]) == (True, 3e-5, 0.8, 3e-7, 500)
+        assert args["deepspeed"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    inline = json.dumps({"zero_optimization": {"stage": 2}, "train_batch_size": "auto"})
+    args = parsed(run([PYTHON, SCRIPT, "--output_dir", tmp_path, "--deepspeed", inline,
+                       "--per_device_train_batch_size", "3"]).stdout)[0]
+    assert args["deepspeed"]["train_batch_size"] == 3
+
+
+def test_torch_distributed_launch_passes_local_rank(tmp_path):
+    """The classic launcher passes --local-rank=N; a parser that rejects it breaks every v4 command."""
+    out = run([PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port", free_port(),
+               SCRIPT, "--output_dir", tmp_path, "--sharded_ddp", "simple"])
+    ranks = parsed(out.stdout)
+    assert sorted(ranks) == [0, 1], out.stderr[-3000:]
+    assert [ranks[r]["local_rank"] for r in (0, 1)] == [0, 1]
+    assert all(ranks[r]["world_size"] == 2 and ranks[r]["sharded_ddp"] == ["simple"] for r in (0, 1))
+
+
+def test_torchrun_forms_one_group_on_cpu(tmp_path):
+    """Stock transformers leaves each CPU rank alone under torchrun: N independent runs, silently."""
+    out = run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), SCRIPT,
+               "--output_dir", tmp_path])
+    ranks = parsed(out.stdout)
+    assert sorted(ranks) == [0, 1], out.stderr[-3000:]
+    assert all(ranks[r]["world_size"] == 2 for r in (0, 1))
+
+
+def test_deepspeed_launcher_local_rank_and_batch_fields(tmp_path):
+    """The deepspeed launcher passes --local_rank=N; the batch fields must use its world size."""
+    out = run([BIN / "deepspeed", "--num_gpus", "2", "--master_port", free_port(), SCRIPT,
+               "--output_dir", tmp_path, "--deepspeed", "zero2_minimal", "--per_device_train_batch_size", "4",
+               "--gradient_accumulation_steps", "3"])
+    ranks = parsed(out.stdout)
+    assert sorted(ranks) == [0, 1], out.stderr[-3000:]
+    for rank in (0, 1):
+        assert ranks[rank]["local_rank"] == rank and ranks[rank]["world_size"] == 2
+        assert ranks[rank]["deepspeed"]["train_batch_size"] == 24

@@ -1,0 +1,65 @@
+"""`trainer-ext ds-config` renders, explains, and rejects bad input with exit status 2 (real processes)."""
+
+import json
+
+from conftest import BIN, run
+
+CLI = BIN / "trainer-ext"
+
+
+def test_prints_complete_config_for_target_cluster():
+    out = run([CLI, "ds-config", "--deepspeed", "ds_configs/zero2.json", "--world_size", "8",
+               "--num_training_steps", "1000", "--per_device_train_batch_size", "4"])
+    assert out.returncode == 0, out.stderr
+    config = json.loads(out.stdout)
+    assert config["train_batch_size"] == 32 and config["fp16"]["enabled"] is True
+    assert "auto" not in out.stdout
+
+
+def test_fp16_renders_on_a_cpu_only_machine():
+    """Rendering for a GPU cluster from a CPU login node must not need the cluster's devices."""
+    out = run([CLI, "ds-config", "--deepspeed", "zero2_minimal", "--fp16", "--world_size", "16",
+               "--max_steps", "5000", "--warmup_ratio", "0.1"])
+    assert out.returncode == 0, out.stderr
+    config = json.loads(out.stdout)
+    assert config["fp16"]["enabled"] is True and config["train_batch_size"] == 128
+    assert config["scheduler"]["params"]["warmup_num_steps"] == 500
+
+
+def test_explain_names_the_source_of_each_field():
+    out = run([CLI, "ds-config", "--deepspeed", "zero2", "--bf16", "--world_size", "2", "--num_training_steps", "10",
+               "--explain"])
+    assert out.returncode == 2  # the classic file enables fp16, --bf16 conflicts
+    out = run([CLI, "ds-config", "--deepspeed", "zero2", "--per_device_train_batch_size", "4", "--world_size", "2",
+               "--num_training_steps", "10", "--explain"])
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line for line in out.stdout.splitlines() if line and not line.startswith(("note", "flags"))}
+    assert "file" in lines["optimizer.params.lr"] and "--learning_rate" in lines["optimizer.params.lr"]
+    assert "flag --per_device_train_batch_size" in lines["train_micro_batch_size_per_gpu"]
+    assert "derived" in lines["train_batch_size"]
+    assert "default" in lines["zero_optimization.stage"] or "file" in lines["zero_optimization.stage"]
+    assert "note: legacy zero_optimization.cpu_offload" in out.stdout
+    assert "--learning_rate 3e-05" in out.stdout  # flags taken from the file
+
+
+def test_bad_input_exits_2_with_message_on_stderr(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"zero_optimization": {"stage": 2,}}')
+    for argv, expected in [
+        (["--deepspeed", str(bad)], "line 1, column"),
+        (["--deepspeed", "zero2", "--learning_rate", "1e-3", "--world_size", "2", "--num_training_steps", "9"],
+         "--learning_rate 0.001"),
+        (["--deepspeed", "zero2_minimal", "--learning_rat", "1e-3"], "did you mean --learning_rate?"),
+        (["--deepspeed", "nope"], "presets"),
+        (["--deepspeed", "zero2_minimal", "--warmup_steps", "10"], "--num_training_steps"),
+        (["--deepspeed", "zero2_minimal", "--fp16_backend", "apex", "--fp16"], "--fp16_backend apex"),
+    ]:
+        out = run([CLI, "ds-config", *argv])
+        assert out.returncode == 2, (argv, out.stdout)
+        assert expected in out.stderr, (argv, out.stderr)
+        assert out.stdout == ""
+
+
+def test_unknown_command_suggests_the_closest():
+    out = run([CLI, "ds-conifg"])
+    assert out.returncode == 2 and "ds-config" in out.stderr

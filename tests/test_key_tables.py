@@ -1,0 +1,64 @@
+"""The translator's own tables agree with DeepSpeed's code, and the translator imports without torch."""
+
+import subprocess
+import sys
+
+from trainer_ext import deepspeed_config as dc
+
+
+def model_keys(model):
+    fields = model.model_fields
+    return set(fields) | {f.alias for f in fields.values() if f.alias}
+
+
+def test_known_top_level_keys_cover_every_key_deepspeed_reads(deepspeed_accepts):
+    """A key DeepSpeed reads but we call unknown would block a valid config."""
+    seen = set()
+
+    class Recording(dict):
+        def get(self, key, default=None):
+            seen.add(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key):
+            seen.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            seen.add(key)
+            return super().__contains__(key)
+
+    deepspeed_accepts(Recording({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8,
+                                 "zero_optimization": {"stage": 2}}), 1)
+    assert len(seen) > 30
+    assert seen - dc.KNOWN_TOP_LEVEL_KEYS - set(dc.REMOVED_TOP_LEVEL_KEYS) == set()
+
+
+def test_section_keys_equal_deepspeed_models():
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    assert dc.ZERO_KEYS == model_keys(DeepSpeedZeroConfig)
+    assert dc.FP16_KEYS == model_keys(DeepSpeedFP16Config)
+    assert dc.BF16_KEYS == model_keys(DeepSpeedBF16Config)
+
+
+def test_removed_keys_cover_deepspeed_removals():
+    from deepspeed.runtime import config
+
+    assert set(config._REMOVED_TOP_LEVEL_CONFIG_KEYS) <= set(dc.REMOVED_TOP_LEVEL_KEYS)
+
+
+def test_translator_imports_without_torch_or_deepspeed():
+    """Config rendering must work on a login node with neither installed."""
+    code = ("import sys\n"
+            "for name in ('torch', 'deepspeed', 'transformers'):\n"
+            "    sys.modules[name] = None  # any import of them now fails\n"
+            "from trainer_ext.deepspeed_config import build_deepspeed_config\n"
+            "import trainer_ext\n"
+            "cfg = build_deepspeed_config({'bf16': True}, world_size=8, num_training_steps=100, config='zero2_auto')\n"
+            "assert cfg['train_batch_size'] == 64 and trainer_ext.build_deepspeed_config is build_deepspeed_config\n"
+            "print('pure ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "pure ok" in out.stdout

@@ -1,0 +1,224 @@
+"""Every conflict and bad input is reported before training, naming the field, both values and the fix."""
+
+import copy
+import json
+
+import pytest
+
+from trainer_ext.deepspeed_config import (DeepSpeedConfigError, build_deepspeed_config, load_deepspeed_config,
+                                          resolve_deepspeed_config, resolve_world_size)
+
+
+def problems(flags, config, **kwargs):
+    kwargs.setdefault("world_size", 2)
+    kwargs.setdefault("num_training_steps", 100)
+    with pytest.raises(DeepSpeedConfigError) as info:
+        resolve_deepspeed_config(flags, config, **kwargs)
+    return info.value.problems
+
+
+def test_flag_that_disagrees_with_file_names_both():
+    """A silently ignored --learning_rate is the classic complaint about DeepSpeed configs."""
+    [problem] = problems({"learning_rate": 1e-4}, {"optimizer": {"type": "AdamW", "params": {"lr": 3e-5}}})
+    assert "optimizer.params.lr=3e-05" in problem and "--learning_rate 0.0001" in problem
+
+
+def test_all_conflicts_are_reported_together():
+    """One error per run-and-fix cycle would cost users a relaunch per field."""
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "weight_decay": 0.1, "eps": 1e-6}},
+              "gradient_clipping": 5.0}
+    found = problems({"learning_rate": 1e-4, "weight_decay": 0.01, "adam_epsilon": 1e-8, "max_grad_norm": 0.3},
+                     config)
+    assert len(found) == 3
+    text = "\n".join(found)
+    for name in ("optimizer.params.lr", "--learning_rate", "optimizer.params.weight_decay", "--weight_decay",
+                 "gradient_clipping", "--max_grad_norm"):
+        assert name in text
+    assert "eps" not in text  # --adam_epsilon left at its default: the file's value wins
+
+
+def test_betas_conflict_names_the_element():
+    [problem] = problems({"adam_beta2": 0.98}, {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}})
+    assert "optimizer.params.betas[1]=0.95" in problem and "--adam_beta2 0.98" in problem
+
+
+def test_batch_fields_that_cannot_hold_name_each_field_and_the_flag():
+    """The DeepSpeed assertion 'train_batch_size is not equal to ...' does not say which flag to change."""
+    config = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    [problem] = problems({}, config, world_size=2)
+    for text in ("train_batch_size=64", "world size 2", "train_micro_batch_size_per_gpu=4",
+                 "gradient_accumulation_steps=2", "= 16", "--per_device_train_batch_size 16",
+                 "--gradient_accumulation_steps 8"):
+        assert text in problem
+
+
+def test_batch_flag_conflicting_with_file_micro_batch():
+    [problem] = problems({"per_device_train_batch_size": 16}, {"train_micro_batch_size_per_gpu": 4})
+    assert "train_micro_batch_size_per_gpu=4" in problem and "--per_device_train_batch_size 16" in problem
+
+
+def test_file_with_only_train_batch_size_derives_the_micro_batch():
+    """DeepSpeed derives the missing batch field; so must we, and tell the Trainer."""
+    resolution = resolve_deepspeed_config({"gradient_accumulation_steps": 2}, {"train_batch_size": 32},
+                                          world_size=4, num_training_steps=10)
+    assert resolution.config["train_micro_batch_size_per_gpu"] == 4
+    assert resolution.effective_flags["per_device_train_batch_size"] == 4
+
+
+def test_numeric_strings_are_numbers_not_conflicts():
+    """JSON written by scripts often quotes numbers; "8" vs 8 must not be reported as a disagreement."""
+    config = {"train_micro_batch_size_per_gpu": "8", "gradient_accumulation_steps": "2",
+              "optimizer": {"type": "AdamW", "params": {"lr": "5e-5", "betas": ["0.9", "0.999"]}},
+              "zero_optimization": {"stage": "2", "reduce_bucket_size": "5e8"}}
+    out = build_deepspeed_config({"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
+                                  "learning_rate": 5e-5}, world_size=2, num_training_steps=10, config=config)
+    assert out["train_batch_size"] == 32
+    assert out["zero_optimization"]["stage"] == 2 and out["zero_optimization"]["reduce_bucket_size"] == 5e8
+
+
+@pytest.mark.parametrize("key,hint", [("zero_optimisation", "zero_optimization"),
+                                      ("gradient_acumulation_steps", "gradient_accumulation_steps"),
+                                      ("train_micro_batch_size", "train_micro_batch_size_per_gpu")])
+def test_unknown_key_gets_the_closest_known_key(key, hint):
+    """DeepSpeed silently ignores unknown keys: a misspelled section would silently turn ZeRO off."""
+    [problem] = problems({}, {key: {"stage": 2} if "zero" in key else 4})
+    assert repr(key) in problem and repr(hint) in problem
+
+
+def test_unknown_nested_key_gets_the_closest_known_key():
+    [problem] = problems({}, {"zero_optimization": {"stage": 2, "overlap_com": True}})
+    assert "zero_optimization.overlap_com" in problem and "zero_optimization.overlap_comm" in problem
+
+
+@pytest.mark.parametrize("key,home", [("offload_optimizer", "zero_optimization"), ("stage", "zero_optimization"),
+                                      ("loss_scale", "fp16"), ("lr", "optimizer.params"),
+                                      ("warmup_num_steps", "scheduler.params")])
+def test_key_at_the_wrong_level_says_where_it_belongs(key, home):
+    [problem] = problems({}, {key: 1})
+    assert key in problem and f'inside "{home}"' in problem
+
+
+def test_invalid_json_reports_file_line_and_column(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  "zero_optimization": {\n    "stage": 2,\n  }\n}\n')
+    with pytest.raises(DeepSpeedConfigError) as info:
+        load_deepspeed_config(str(path))
+    assert str(path) in str(info.value) and "line 4" in str(info.value) and "column 3" in str(info.value)
+
+
+def test_invalid_inline_json_reports_line_and_column():
+    with pytest.raises(DeepSpeedConfigError, match=r"inline --deepspeed JSON, line 1, column \d+"):
+        load_deepspeed_config('{"zero_optimization": {"stage": 2}')
+
+
+@pytest.mark.parametrize("config,field", [
+    ({"train_batch_size": "abc"}, "train_batch_size"),
+    ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu"),
+    ({"gradient_accumulation_steps": -2}, "gradient_accumulation_steps"),
+    ({"train_micro_batch_size_per_gpu": 2.5}, "train_micro_batch_size_per_gpu"),
+    ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": 0.9}}}, "optimizer.params.betas"),
+    ({"fp16": {"enabled": "yes"}}, "fp16.enabled"),
+    ({"fp16": True}, "fp16 must be a JSON object"),
+    ({"scheduler": {"type": "WarmupLinear"}}, "scheduler.type"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}, "scheduler.params.warmup_num_steps"),
+])
+def test_wrong_types_and_non_positive_sizes_are_rejected(config, field):
+    assert any(field in problem for problem in problems({}, config))
+
+
+def test_non_positive_batch_flag_is_rejected():
+    assert any("--per_device_train_batch_size" in p for p in problems({"per_device_train_batch_size": 0}, {}))
+
+
+def test_fp16_and_bf16_together():
+    [problem] = problems({"bf16": True}, {"fp16": {"enabled": True}})
+    assert "fp16.enabled" in problem and "bf16.enabled" in problem and "--bf16" in problem
+
+
+def test_apex_backend_is_rejected_with_the_alternative():
+    [problem] = problems({"fp16": True, "fp16_backend": "apex"}, {})
+    assert "--fp16_backend apex" in problem and "--fp16_backend amp" in problem
+
+
+def test_legacy_amp_block_is_rejected_with_the_replacement():
+    [problem] = problems({}, {"amp": {"enabled": True, "opt_level": "O1"}})
+    assert problem.startswith("amp:") and '"fp16"' in problem
+
+
+def test_scheduler_type_conflicting_with_flag():
+    [problem] = problems({"lr_scheduler_type": "cosine"}, {"scheduler": {"type": "WarmupLR", "params": {}}})
+    assert "scheduler.type=WarmupLR" in problem and "--lr_scheduler_type cosine" in problem
+
+
+def test_warmup_conflict_names_both():
+    [problem] = problems({"warmup_steps": 10}, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 50}}})
+    assert "warmup_num_steps=50" in problem and "--warmup_steps 10" in problem
+
+
+def test_optimizer_and_scheduler_peak_rate_disagree():
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-5}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-4}}}
+    [problem] = problems({}, config)
+    assert "optimizer.params.lr=3e-05" in problem and "warmup_max_lr=0.0001" in problem
+
+
+def test_missing_step_count_says_how_to_give_it():
+    [problem] = problems({"warmup_steps": 10}, {}, num_training_steps=None)
+    assert "scheduler.params.total_num_steps" in problem and "--num_training_steps" in problem
+
+
+def test_max_steps_gives_the_step_count():
+    config = build_deepspeed_config({"warmup_steps": 10, "max_steps": 300}, world_size=1)
+    assert config["scheduler"]["params"]["total_num_steps"] == 300
+
+
+def test_unfillable_auto_is_named():
+    [problem] = problems({}, {"zero_optimization": {"stage": 2, "sub_group_size": "auto"}})
+    assert "zero_optimization.sub_group_size" in problem and '"auto"' in problem
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(DeepSpeedConfigError) as info:
+        load_deepspeed_config("zero2_ofload")
+    assert "zero2_offload" in str(info.value) and "zero2_minimal" in str(info.value)
+
+
+def test_caller_config_is_not_mutated():
+    """Resolving twice (argument time, then training start) must see the user's config as written."""
+    config = {"zero_optimization": {"stage": 2, "cpu_offload": True}, "train_batch_size": "auto"}
+    before = copy.deepcopy(config)
+    build_deepspeed_config({}, world_size=2, num_training_steps=10, config=config)
+    assert config == before
+
+
+def test_file_with_only_the_zero_section_is_complete():
+    """Stock transformers rejects this file for lack of batch fields; ours fills everything from the flags."""
+    config = build_deepspeed_config({"per_device_train_batch_size": 4, "warmup_steps": 5, "learning_rate": 2e-5},
+                                    world_size=2, num_training_steps=50, config="zero2_minimal")
+    assert config["train_batch_size"] == 8 and config["train_micro_batch_size_per_gpu"] == 4
+    assert config["optimizer"]["params"]["lr"] == 2e-5 and config["scheduler"]["type"] == "WarmupDecayLR"
+    assert config["zero_allow_untested_optimizer"] is True
+
+
+def test_legacy_cpu_offload_is_migrated():
+    resolution = resolve_deepspeed_config({}, {"zero_optimization": {"stage": 2, "cpu_offload": True}},
+                                          world_size=1, num_training_steps=10)
+    zero = resolution.config["zero_optimization"]
+    assert "cpu_offload" not in zero and zero["offload_optimizer"] == {"device": "cpu"}
+    assert len([n for n in resolution.notes if "cpu_offload" in n]) == 1
+
+
+def test_world_size_from_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert resolve_world_size() == 4
+    assert build_deepspeed_config({}, num_training_steps=10, config={})["train_batch_size"] == 32
+    assert resolve_world_size(3) == 3
+
+
+def test_accepts_dict_inline_json_path_and_preset(tmp_path):
+    path = tmp_path / "z.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    for value in ({"zero_optimization": {"stage": 2}}, '{"zero_optimization": {"stage": 2}}', str(path), "zero2_minimal"):
+        config = build_deepspeed_config({}, world_size=1, num_training_steps=10, config=value)
+        assert config["zero_optimization"]["stage"] == 2
