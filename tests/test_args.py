@@ -72,19 +72,32 @@ def test_bad_flags_fail_at_parsing_with_exit_2(tmp_path, argv, message):
     assert "ARGS" not in out.stdout
 
 
-def test_classic_config_and_other_forms_parse_in_one_process(tmp_path):
-    """Every --deepspeed form resolves, and the classic file's values reach the arguments."""
+def test_classic_config_values_reach_the_arguments(tmp_path):
+    """The classic file's lr, betas, weight decay and warmup must reach the arguments (fp16 made "auto" on CPU)."""
+    classic = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    classic["fp16"]["enabled"] = "auto"
     path = tmp_path / "ds.json"
-    path.write_text((REPO / "ds_configs" / "zero2.json").read_text())
-    for value in (str(path), "zero2"):
-        args = parsed(run([PYTHON, SCRIPT, "--output_dir", tmp_path, "--deepspeed", value]).stdout)[0]
-        assert (args["fp16"], args["learning_rate"], args["adam_beta1"], args["weight_decay"],
-                args["warmup_steps"]) == (True, 3e-5, 0.8, 3e-7, 500)
-        assert args["deepspeed"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    path.write_text(json.dumps(classic))
+    args = parsed(run([PYTHON, SCRIPT, "--output_dir", tmp_path, "--deepspeed", path]).stdout)[0]
+    assert (args["fp16"], args["learning_rate"], args["adam_beta1"], args["weight_decay"],
+            args["warmup_steps"]) == (False, 3e-5, 0.8, 3e-7, 500)
+    assert args["deepspeed"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
     inline = json.dumps({"zero_optimization": {"stage": 2}, "train_batch_size": "auto"})
     args = parsed(run([PYTHON, SCRIPT, "--output_dir", tmp_path, "--deepspeed", inline,
                        "--per_device_train_batch_size", "3"]).stdout)[0]
     assert args["deepspeed"]["train_batch_size"] == 3
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the machine without CUDA")
+@pytest.mark.parametrize("argv,extra", [(["--fp16"], None),
+                                        (["--deepspeed", "zero2"], "the DeepSpeed file's fp16.enabled")])
+def test_fp16_without_cuda_fails_before_work_suggesting_bf16(tmp_path, argv, extra):
+    """fp16 on a CPU machine would crash deep inside training; say so at parse time and name the way out."""
+    out = run([PYTHON, SCRIPT, "--output_dir", tmp_path, *argv])
+    assert out.returncode == 2 and "ARGS" not in out.stdout
+    assert "fp16 needs a CUDA device" in out.stderr and "--bf16" in out.stderr
+    if extra:
+        assert extra in out.stderr
 
 
 def test_torch_distributed_launch_passes_local_rank(tmp_path):

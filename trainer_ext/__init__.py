@@ -6,7 +6,10 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _LAZY = {
+    "ExtTrainer": ".trainer",
     "ExtTrainingArguments": ".args",
+    "OptimizerSettings": ".settings",
+    "SchedulerSettings": ".settings",
     "ExtArgumentParser": ".args",
     "build_deepspeed_config": ".deepspeed_config",
     "resolve_deepspeed_config": ".deepspeed_config",

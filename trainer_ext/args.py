@@ -14,7 +14,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from .deepspeed_config import DeepSpeedConfigError, load_deepspeed_config, resolve_deepspeed_config
 from .options import (FP16_BACKENDS, FP16_OPT_LEVELS, SHARDED_DDP_OPTIONS, ArgumentsError, check_fp16_backend,
-                      merge_warmup_ratio, parse_sharded_ddp)
+                      merge_warmup_ratio, parse_class_weights, parse_sharded_ddp)
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +46,15 @@ class ExtTrainingArguments(TrainingArguments):
     warmup_ratio: float = field(
         default=0.0, metadata={"help": "transformers v4 spelling: warm up over this fraction of the training steps."}
     )
+    class_weights: str | None = field(
+        default=None, metadata={"help": "Classification loss weight per class, comma separated, e.g. 1.0,3.0."}
+    )
 
     def __post_init__(self):
         self.sharded_ddp = parse_sharded_ddp(self.sharded_ddp)
         check_fp16_backend(self.fp16_backend, self.fp16_opt_level)
         self.warmup_steps = merge_warmup_ratio(self.warmup_steps, self.warmup_ratio)
+        self.class_weights = parse_class_weights(self.class_weights)
         if self.sharded_ddp and self.deepspeed:
             raise ArgumentsError(f"--sharded_ddp {' '.join(self.sharded_ddp)} and --deepspeed both choose a "
                                  "backend: give only one of them")
@@ -63,6 +67,12 @@ class ExtTrainingArguments(TrainingArguments):
                 setattr(self, flag, value)  # so logs and the Trainer tell the truth
             self.deepspeed_resolution = resolution
             self.deepspeed = resolution.config
+        if self.fp16 and not torch.cuda.is_available():
+            from_file = self.deepspeed_resolution and "fp16" in self.deepspeed_resolution.effective_flags
+            raise ArgumentsError(
+                "fp16 needs a CUDA device and this machine has none: use --bf16 (or fp32) on CPU"
+                + (" — fp16 comes from the DeepSpeed file's fp16.enabled: set it to \"auto\" (or use "
+                   "--deepspeed zero2_minimal)" if from_file else ""))
         if launched_world_size() > 1 and not self.use_cpu and not accelerator_available():
             # Without it transformers 5 leaves each CPU rank on its own: N independent runs, no error.
             logger.warning("%d ranks launched and no GPU: setting --use_cpu so the ranks form one gloo "

@@ -61,3 +61,17 @@ def merge_warmup_ratio(warmup_steps: float, warmup_ratio: float) -> float:
         raise ArgumentsError(f"--warmup_ratio {warmup_ratio} and --warmup_steps {warmup_steps} both set "
                              "the warmup: give only one")
     return warmup_ratio
+
+
+def parse_class_weights(value) -> list[float] | None:
+    """`--class_weights 1.0,3.0` (or a list) -> [1.0, 3.0]; every weight positive."""
+    if value is None or value == "" or value == []:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        weights = [float(item) for item in items]
+    except ValueError:
+        raise ArgumentsError(f"--class_weights {value!r}: give numbers separated by commas, e.g. 1.0,3.0") from None
+    if len(weights) < 2 or any(w <= 0 for w in weights):
+        raise ArgumentsError(f"--class_weights {value!r}: need one positive weight per class (at least two)")
+    return weights

@@ -1,0 +1,146 @@
+"""ExtTrainer on real launchers (2 CPU ranks): single process, DDP and ZeRO-2 train identically on the same
+global batch, report true losses, resume exactly, and evaluate in dataset order."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import PYTHON, REPO, free_port, launch, logged, max_weight_difference, run, BIN, GLUE, GLUE_COMMON
+
+STEPS = 20
+PLAIN = ["--do_train", "--do_eval", "--do_predict", "--max_steps", STEPS, "--max_eval_samples", "64",
+         "--max_predict_samples", "37", "--save_strategy", "no"]
+# 12 steps, accumulation 2, clipping that bites (grad norms reach ~1.4), linear warmup over 5 steps.
+ACCUMULATE = ["--do_train", "--max_steps", "12", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5",
+              "--warmup_steps", "5", "--learning_rate", "1e-4"]
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plain")
+    launch("single", root / "single", *PLAIN, "--per_device_train_batch_size", 16)
+    launch("torchrun", root / "ddp", *PLAIN, "--per_device_train_batch_size", 8)
+    launch("deepspeed", root / "zero2", *PLAIN, "--per_device_train_batch_size", 8, "--deepspeed",
+           "ds_configs/zero2_minimal.json")
+    return root
+
+
+@pytest.fixture(scope="module")
+def accumulate_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("accumulate")
+    launch("single", root / "single", *ACCUMULATE, "--per_device_train_batch_size", 8, "--save_strategy", "no")
+    launch("launch", root / "ddp", *ACCUMULATE, "--per_device_train_batch_size", 4, "--save_strategy", "no")
+    launch("deepspeed", root / "zero2", *ACCUMULATE, "--per_device_train_batch_size", 4, "--deepspeed",
+           "zero2_minimal", "--save_strategy", "steps", "--save_steps", 6)
+    return root
+
+
+def assert_same_training(base, other, steps):
+    ours, theirs = logged(base), logged(other)
+    assert sorted(ours) == sorted(theirs) == list(range(1, steps + 1))
+    assert max(abs(ours[s] - theirs[s]) for s in ours) < 1e-5
+    assert max_weight_difference(base, other) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero2"])
+def test_same_loss_curve_and_weights_as_one_process(plain_runs, backend):
+    """DDP and ZeRO-2 on the same global batch must be the same training as one process (fp32, no dropout)."""
+    assert_same_training(plain_runs / "single", plain_runs / backend, STEPS)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero2"])
+def test_same_training_with_accumulation_clipping_and_warmup(accumulate_runs, backend):
+    """Accumulation, clipping (a norm over all ranks) and DeepSpeed's WarmupDecayLR must change nothing."""
+    assert_same_training(accumulate_runs / "single", accumulate_runs / backend, 12)
+    norms = logged(accumulate_runs / "single", "grad_norm")
+    assert max(norms.values()) > 0.5  # clipping really happened
+    for key in ("grad_norm", "learning_rate"):
+        ours, theirs = logged(accumulate_runs / "single", key), logged(accumulate_runs / backend, key)
+        assert max(abs(ours[s] - theirs[s]) for s in ours) < 1e-5 * max(1.0, max(ours.values())), key
+
+
+def test_losses_are_true_not_scaled_by_world_size(plain_runs):
+    """Stock transformers 5.23 logs 2x the loss on 2 ranks for classification models; ours equal one process."""
+    single = json.loads((plain_runs / "single" / "eval_results.json").read_text())
+    for backend in ("ddp", "zero2"):
+        other = json.loads((plain_runs / backend / "eval_results.json").read_text())
+        assert abs(other["eval_loss"] - single["eval_loss"]) < 1e-5
+        assert other["eval_accuracy"] == single["eval_accuracy"]
+        assert 0.6 < logged(plain_runs / backend)[1] < 0.8  # ln 2 ≈ 0.693 for two classes at the start
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero2"])
+def test_predictions_on_two_ranks_equal_one_process_in_order(plain_runs, backend):
+    """37 test examples over 2 ranks: padding duplicates must be dropped and the order kept."""
+    single = json.loads((plain_runs / "single" / "predictions.json").read_text())
+    other = json.loads((plain_runs / backend / "predictions.json").read_text())
+    assert len(other["predictions"]) == len(single["predictions"]) == 37
+    assert other["predictions"] == single["predictions"]
+    assert np.allclose(other["logits"], single["logits"], atol=1e-4)
+
+
+def test_final_output_dir_of_a_zero2_run(plain_runs):
+    """The final folder must be usable without DeepSpeed and say exactly which config ran."""
+    out = plain_runs / "zero2"
+    for name in ("train_results.json", "eval_results.json", "all_results.json", "trainer_state.json",
+                 "ds_config.resolved.json", "model.safetensors", "config.json"):
+        assert (out / name).is_file(), name
+    resolved = json.loads((out / "ds_config.resolved.json").read_text())
+    assert resolved["train_batch_size"] == 16 and resolved["train_micro_batch_size_per_gpu"] == 8
+    assert "auto" not in json.dumps(resolved)
+    code = ("import sys; sys.modules['deepspeed'] = None\n"
+            "from transformers import AutoModelForSequenceClassification as M\n"
+            f"m = M.from_pretrained({str(out)!r}); print('loaded', sum(p.numel() for p in m.parameters()))\n")
+    loaded = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True)
+    assert loaded.returncode == 0 and "loaded" in loaded.stdout, loaded.stderr[-2000:]
+
+
+def test_zero2_resume_equals_uninterrupted_run(accumulate_runs, tmp_path):
+    """A checkpoint resumed (with --resume_from_checkpoint auto) must continue exactly the uninterrupted run."""
+    uninterrupted = accumulate_runs / "zero2"
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(uninterrupted / "checkpoint-6", resumed / "checkpoint-6")
+    out = launch("deepspeed", resumed, *ACCUMULATE, "--per_device_train_batch_size", 4, "--deepspeed",
+                 "zero2_minimal", "--save_strategy", "no", "--resume_from_checkpoint", "auto")
+    assert "resume_from_checkpoint=auto: " + str(resumed / "checkpoint-6") in out.stdout + out.stderr
+    ours, theirs = logged(uninterrupted), logged(resumed)
+    assert sorted(theirs) == list(range(1, 13))  # steps 1-6 come from the checkpoint's trainer state
+    assert max(abs(ours[s] - theirs[s]) for s in range(7, 13)) < 1e-5
+    assert max_weight_difference(uninterrupted, resumed) < 1e-5
+
+
+def test_zero2_over_two_torchrun_nodes_matches_one_launcher(plain_runs, tmp_path):
+    """Beyond one machine: two torchrun launchers (one per node) rendezvous on 127.0.0.1 and train the same."""
+    port = free_port()
+    output = tmp_path / "nodes"
+    flags = [*PLAIN, "--per_device_train_batch_size", 8, "--deepspeed", "zero2_minimal"]
+    nodes = []
+    for node_rank in (0, 1):
+        cmd = [BIN / "torchrun", "--nnodes", 2, "--nproc_per_node", 1, "--node_rank", node_rank,
+               "--master_addr", "127.0.0.1", "--master_port", port, GLUE, "--output_dir", output, *GLUE_COMMON,
+               *flags]
+        nodes.append(subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, cwd=REPO, env=_clean_env()))
+    try:
+        logs = [node.communicate(timeout=900)[0] for node in nodes]
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            node.kill()
+        logs = [node.communicate()[0] for node in nodes]
+        pytest.fail("two-node run timed out:\n" + "\n----\n".join(log[-3000:] for log in logs))
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    assert_same_training(plain_runs / "zero2", output, STEPS)
+
+
+def _clean_env():
+    import os
+
+    from conftest import DISTRIBUTED_ENV
+
+    return {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}

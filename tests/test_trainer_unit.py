@@ -1,0 +1,153 @@
+"""ExtTrainer pieces checked in one process against hand computations: losses, sampler, optimizer groups."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+from trainer_ext import ExtTrainer, ExtTrainingArguments, OptimizerSettings, SchedulerSettings
+from trainer_ext.data.samplers import RankStridedBatchSampler
+
+
+def tiny_bert(num_labels=2):
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, num_labels=num_labels, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(config).eval()
+
+
+def fixed_batch(labels=(0, 1, 1, 0, 1)):
+    generator = torch.Generator().manual_seed(1)
+    return {"input_ids": torch.randint(1, 50, (len(labels), 6), generator=generator),
+            "labels": torch.tensor(labels)}
+
+
+def trainer_for(tmp_path, model, **kwargs):
+    arg_names = {"class_weights", "label_smoothing_factor"}
+    args = ExtTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                **{k: v for k, v in kwargs.items() if k in arg_names})
+    return ExtTrainer(model=model, args=args, **{k: v for k, v in kwargs.items() if k not in arg_names})
+
+
+def logits_of(model, batch):
+    with torch.no_grad():
+        return model(input_ids=batch["input_ids"]).logits
+
+
+def test_default_loss_is_the_models_own(tmp_path):
+    model, batch = tiny_bert(), fixed_batch()
+    loss = trainer_for(tmp_path, model).compute_loss(model, dict(batch))
+    assert torch.allclose(loss, F.cross_entropy(logits_of(model, batch), batch["labels"]))
+
+
+def test_class_weights_match_hand_computation(tmp_path):
+    """--class_weights 1.0,3.0: weighted mean of per-example losses, weights of the true classes as divisor."""
+    model, batch = tiny_bert(), fixed_batch()
+    loss = trainer_for(tmp_path, model, class_weights="1.0,3.0").compute_loss(model, dict(batch))
+    log_probs = torch.log_softmax(logits_of(model, batch), dim=-1)
+    weights = torch.tensor([1.0, 3.0])[batch["labels"]]
+    nll = -log_probs[torch.arange(5), batch["labels"]]
+    assert torch.allclose(loss, (weights * nll).sum() / weights.sum(), atol=1e-6)
+    assert not torch.allclose(loss, nll.mean(), atol=1e-4)
+
+
+def test_label_smoothing_matches_hand_computation(tmp_path):
+    model, batch = tiny_bert(), fixed_batch()
+    loss = trainer_for(tmp_path, model, label_smoothing_factor=0.1).compute_loss(model, dict(batch))
+    log_probs = torch.log_softmax(logits_of(model, batch), dim=-1)
+    nll = -log_probs[torch.arange(5), batch["labels"]].mean()
+    smooth = -log_probs.mean(dim=-1).mean()
+    assert torch.allclose(loss, 0.9 * nll + 0.1 * smooth, atol=1e-6)
+
+
+def test_user_loss_fn_needs_no_subclass(tmp_path):
+    """The classic 'subclass and override compute_loss' use case, as one argument."""
+    def margin_loss(outputs, labels):
+        return F.relu(1.0 - (outputs.logits[:, 1] - outputs.logits[:, 0]) * (2 * labels.float() - 1)).mean()
+
+    model, batch = tiny_bert(), fixed_batch()
+    loss = trainer_for(tmp_path, model, loss_fn=margin_loss).compute_loss(model, dict(batch))
+    logits = logits_of(model, batch)
+    expected = F.relu(1.0 - (logits[:, 1] - logits[:, 0]) * (2 * batch["labels"].float() - 1)).mean()
+    assert torch.allclose(loss, expected)
+
+
+def test_class_weights_must_match_the_number_of_classes(tmp_path):
+    model = tiny_bert(num_labels=3)
+    with pytest.raises(ValueError, match="--class_weights has 2 values but the model has 3 classes"):
+        trainer_for(tmp_path, model, class_weights="1,2").compute_loss(model, fixed_batch((0, 1, 2)))
+
+
+def test_bad_class_weights_are_rejected_at_parse_time(tmp_path):
+    from trainer_ext import ArgumentsError
+
+    for value in ("1.0;3.0", "1.0", "1.0,-2"):
+        with pytest.raises(ArgumentsError, match="--class_weights"):
+            ExtTrainingArguments(output_dir=str(tmp_path), class_weights=value)
+
+
+def test_plain_mean_models_are_told_apart_from_token_count_losses(tmp_path):
+    """The 2x-loss bug: a classifier's loss ignores num_items_in_batch, a causal LM's uses it."""
+    bert, batch = tiny_bert(), fixed_batch()
+    trainer = trainer_for(tmp_path, bert)
+    assert trainer._loss_uses_num_items(bert, dict(batch)) is False
+    torch.manual_seed(0)
+    gpt = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16)).eval()
+    ids = fixed_batch()["input_ids"]
+    assert trainer_for(tmp_path / "lm", gpt)._loss_uses_num_items(gpt, {"input_ids": ids, "labels": ids}) is True
+
+
+def test_optimizer_has_no_weight_decay_on_bias_and_layernorm(tmp_path):
+    model = tiny_bert()
+    trainer = trainer_for(tmp_path, model, optimizer_settings=OptimizerSettings(lr=1e-3, weight_decay=0.01))
+    optimizer = trainer.create_optimizer()
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = [names[id(p)] for p in optimizer.param_groups[0]["params"]]
+    plain = [names[id(p)] for p in optimizer.param_groups[1]["params"]]
+    assert optimizer.param_groups[0]["weight_decay"] == 0.01 and optimizer.param_groups[1]["weight_decay"] == 0.0
+    assert all("bias" not in n and "LayerNorm" not in n for n in decayed)
+    assert any("bias" in n for n in plain) and any("LayerNorm" in n for n in plain)
+    assert len(decayed) + len(plain) == len(list(model.parameters()))
+
+
+def test_settings_from_dict_reject_unknown_keys():
+    assert OptimizerSettings.from_dict({"lr": 1e-3, "betas": [0.8, 0.9]}).betas == (0.8, 0.9)
+    assert SchedulerSettings.from_dict({"type": "cosine", "warmup_steps": 0.1}).warmup_for(50) == 5
+    with pytest.raises(ValueError, match="unknown keys \\['learning_rate'\\]"):
+        OptimizerSettings.from_dict({"learning_rate": 1e-3})
+
+
+@pytest.mark.parametrize("num_samples,batch_size,world_size", [(64, 4, 2), (37, 4, 2), (50, 3, 4)])
+def test_ranks_partition_the_single_process_order(num_samples, batch_size, world_size):
+    """Global batch k on N ranks must be batch k of one process with N times the batch."""
+    single = list(RankStridedBatchSampler(num_samples, batch_size * world_size, seed=3))
+    ranks = [list(RankStridedBatchSampler(num_samples, batch_size, rank=r, world_size=world_size, seed=3))
+             for r in range(world_size)]
+    assert len({len(batches) for batches in ranks}) == 1  # same step count on every rank: no hang
+    padded = math.ceil(num_samples / world_size) * world_size
+    order = RankStridedBatchSampler(num_samples, 1, seed=3).global_order()
+    for k, batch in enumerate(single):
+        together = sorted(i for r in range(world_size) for i in ranks[r][k])
+        if (k + 1) * batch_size * world_size <= num_samples:
+            assert together == sorted(batch)
+    seen = [i for r in range(world_size) for batch in ranks[r] for i in batch]
+    assert sorted(seen) == sorted(order + order[: padded - num_samples])
+    assert set(seen) == set(range(num_samples))
+
+
+def test_sampler_order_depends_on_seed_and_epoch_only():
+    first = RankStridedBatchSampler(20, 4, seed=1)
+    again = RankStridedBatchSampler(20, 4, seed=1)
+    assert list(first) == list(again)
+    first.set_epoch(1)
+    assert list(first) != list(again)
+    assert list(RankStridedBatchSampler(20, 4, seed=2)) != list(again)
+
+
+def test_sharded_ddp_is_refused_clearly_until_its_backend_exists(tmp_path):
+    args = ExtTrainingArguments(output_dir=str(tmp_path), sharded_ddp="simple", report_to="none")
+    with pytest.raises(NotImplementedError, match="--sharded_ddp simple"):
+        ExtTrainer(model=tiny_bert(), args=args)

@@ -1,0 +1,75 @@
+"""DeepSpeed ZeRO: transformers' integration runs the engine; we hand it the translator's complete config
+(real world size, real step count, the model's hidden size) and align its scheduler with transformers'."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from ..deepspeed_config import resolve_deepspeed_config
+from .base import Backend
+
+logger = logging.getLogger(__name__)
+
+INSTALL = "pip install 'deepspeed>=0.19,<0.20' (or pip install 'trainer_ext[deepspeed]')"
+
+
+class DeepSpeedBackend(Backend):
+    name = "deepspeed"
+
+    def __init__(self):
+        self.resolution = None
+
+    def check(self, args) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ImportError(f"--deepspeed needs DeepSpeed, which is not installed: {INSTALL}")
+
+    def before_prepare(self, trainer, num_training_steps: int) -> None:
+        args = trainer.args
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+        self.resolution = resolve_deepspeed_config(args, args.deepspeed_user_config, world_size=args.world_size,
+                                                   num_training_steps=num_training_steps, hidden_size=hidden_size)
+        hf_config = trainer.accelerator.state.deepspeed_plugin.hf_ds_config
+        # In place: accelerate's plugin holds the same dict. The translator already checked every field against
+        # the flags; transformers' argument-time checks saw the world size before the process group existed.
+        hf_config.config.clear()
+        hf_config.config.update(self.resolution.config)
+        hf_config.mismatches = []
+        if trainer.is_world_process_zero():
+            notes = "".join(f"\n  note: {note}" for note in self.resolution.notes)
+            logger.warning("DeepSpeed config (resolved for %d ranks, %d steps):\n%s%s", args.world_size,
+                           num_training_steps, json.dumps(self.resolution.config, indent=2), notes)
+
+    def after_prepare(self, trainer) -> None:
+        from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupLR
+
+        scheduler = getattr(trainer.model_wrapped, "lr_scheduler", None)
+        # DeepSpeed builds its scheduler at iteration -1 and applies that value to the first step; transformers'
+        # step k uses iteration k. One step here aligns them (a resumed checkpoint then overwrites the state).
+        if isinstance(scheduler, (WarmupLR, WarmupCosineLR)) and scheduler.last_batch_iteration == -1:
+            scheduler.step()
+
+    def evaluates_plain_model(self, trainer) -> bool:
+        # Below ZeRO-3 every rank holds all parameters, so evaluating before training needs no engine; stock
+        # transformers insists on one and fails ("ZeRO inference only makes sense with ZeRO Stage 3").
+        stage = trainer.args.deepspeed.get("zero_optimization", {}).get("stage", 0)
+        return trainer.deepspeed is None and stage < 3
+
+    def learning_rate_in_use(self, trainer) -> float | None:
+        # accelerate runs engine.step() (optimizer and scheduler) inside backward, before transformers reads
+        # the rate "before the update"; the engine's rate before the training step is the one used.
+        engine = trainer.model_wrapped
+        return engine.get_lr()[0] if hasattr(engine, "get_lr") else None
+
+    def save_resolved_config(self, output_dir) -> None:
+        if self.resolution is not None:
+            from pathlib import Path
+
+            path = Path(output_dir) / "ds_config.resolved.json"
+            path.write_text(json.dumps(self.resolution.config, indent=2) + "\n")
+
+    def describe(self) -> str:
+        return "deepspeed ZeRO-%s" % (self.resolution.config["zero_optimization"].get("stage") if self.resolution else "?")

@@ -1,0 +1,1 @@
+"""Data loading pieces shared by every backend."""

@@ -1,0 +1,213 @@
+"""ExtTrainer: the transformers Trainer with true losses on N ranks, one global batch order for every backend,
+custom losses without subclassing, and the backend chosen once at construction."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer
+from transformers.trainer_utils import get_last_checkpoint
+
+from .backends import select_backend
+from .data.samplers import RankStridedBatchSampler
+from .settings import OptimizerSettings, SchedulerSettings
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[object, torch.Tensor], torch.Tensor]
+
+
+class ExtTrainer(Trainer):
+    """`Trainer` plus:
+
+    - `loss_fn(outputs, labels) -> loss`: replaces the model's loss (no subclass needed);
+    - `class_weights` (or `--class_weights 1.0,3.0`) and `--label_smoothing_factor` for classification;
+    - `optimizer_settings` / `scheduler_settings`: the optimizer and schedule, from flags by default.
+    """
+
+    def __init__(self, model=None, args=None, *positional, loss_fn: LossFn | None = None,
+                 class_weights=None, optimizer_settings: OptimizerSettings | None = None,
+                 scheduler_settings: SchedulerSettings | None = None, **kwargs):
+        self.backend = select_backend(args) if args is not None else select_backend(None)
+        if args is not None:
+            self.backend.check(args)
+        super().__init__(model, args, *positional, **kwargs)
+        self.loss_fn = loss_fn
+        weights = class_weights if class_weights is not None else getattr(self.args, "class_weights", None)
+        self.class_weights = [float(w) for w in weights] if weights else None
+        self.optimizer_settings = optimizer_settings or OptimizerSettings.from_args(self.args)
+        self.scheduler_settings = scheduler_settings or SchedulerSettings.from_args(self.args)
+        self._model_uses_num_items = None  # decided on the first labelled batch
+
+    # -- losses ----------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The true loss on every rank count: a per-batch mean for models whose loss is a plain mean (the
+        Trainer would multiply it by the world size), transformers' token-count normalisation for the others."""
+        labels = inputs.get("labels")
+        if labels is not None and self._custom_loss_requested():
+            outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+            loss = self._custom_loss(model, outputs, labels)
+            self.loss_is_scaled_for_ga = False
+            return (loss, outputs) if return_outputs else loss
+        if labels is not None and self._model_uses_num_items is None and self.model_accepts_loss_kwargs:
+            self._model_uses_num_items = self._loss_uses_num_items(model, inputs)
+            self.model_accepts_loss_kwargs = self._model_uses_num_items
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            self.loss_is_scaled_for_ga = None  # transformers' own, correct for losses normalised by item count
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        outputs = model(**inputs)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+        self.loss_is_scaled_for_ga = False
+        return (loss, outputs) if return_outputs else loss
+
+    def _custom_loss_requested(self) -> bool:
+        return self.loss_fn is not None or self.class_weights is not None or self.args.label_smoothing_factor > 0
+
+    def _custom_loss(self, model, outputs, labels):
+        if self.loss_fn is not None:
+            return self.loss_fn(outputs, labels)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        if logits.dim() > 2:  # token-level: flatten, shifting for causal language models
+            module = self.accelerator.unwrap_model(model)
+            if getattr(getattr(module, "config", None), "is_decoder", False) or "CausalLM" in type(module).__name__:
+                logits, labels = logits[..., :-1, :], labels[..., 1:]
+            logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+        weight = None
+        if self.class_weights is not None:
+            if len(self.class_weights) != logits.size(-1):
+                raise ValueError(f"--class_weights has {len(self.class_weights)} values but the model has "
+                                 f"{logits.size(-1)} classes")
+            weight = torch.tensor(self.class_weights, dtype=torch.float32, device=logits.device)
+        return F.cross_entropy(logits.float(), labels, weight=weight, ignore_index=-100,
+                               label_smoothing=self.args.label_smoothing_factor)
+
+    def _loss_uses_num_items(self, model, inputs) -> bool:
+        """Ask the model itself: does its loss change with `num_items_in_batch`? (A plain mean does not.)"""
+        module = self.accelerator.unwrap_model(model)
+        inputs = self._prepare_inputs(inputs)
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                losses = [module(**inputs, num_items_in_batch=torch.tensor(n, device=self.args.device))
+                          for n in (1.0, 2.0)]
+        except TypeError:
+            return False
+        finally:
+            module.train(was_training)
+        first, second = (out["loss"] if isinstance(out, dict) else out[0] for out in losses)
+        return not torch.allclose(first, second)
+
+    # -- optimizer and schedule ------------------------------------------------------------------------
+    def create_optimizer(self, model=None):
+        if self.optimizer is not None:
+            return self.optimizer
+        model = model if model is not None else self.model
+        settings = self.optimizer_settings
+        decay = set(self.get_decay_parameter_names(model))
+        groups = [
+            {"params": [p for n, p in model.named_parameters() if n in decay and p.requires_grad],
+             "weight_decay": settings.weight_decay},
+            {"params": [p for n, p in model.named_parameters() if n not in decay and p.requires_grad],
+             "weight_decay": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None:
+            from transformers import get_scheduler
+
+            settings = self.scheduler_settings
+            self.lr_scheduler = get_scheduler(settings.type, optimizer if optimizer is not None else self.optimizer,
+                                              num_warmup_steps=settings.warmup_for(num_training_steps),
+                                              num_training_steps=num_training_steps,
+                                              scheduler_specific_kwargs=settings.kwargs)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    # -- data ------------------------------------------------------------------------------------------
+    def get_train_dataloader(self):
+        """Rank r trains on samples r, r+N, ... of one seeded order: the same global batches on every backend."""
+        if self.train_dataset is None:
+            raise ValueError("ExtTrainer: training requires a train_dataset")
+        args = self.args
+        batch_sampler = RankStridedBatchSampler(
+            len(self.train_dataset), self._train_batch_size, rank=args.process_index, world_size=args.world_size,
+            seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last)
+        dataloader = _dataloader_with_batch_sampler(self, self.train_dataset, "training", batch_sampler)
+        _unshard(dataloader, batch_sampler)
+        return dataloader
+
+    def _get_eval_sampler(self, eval_dataset):
+        # Dataset order: accelerate shards it in whole batches and gather_for_metrics drops the padding.
+        return torch.utils.data.SequentialSampler(eval_dataset)
+
+    # -- backend hooks ---------------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self._learning_rate_in_use = self.backend.learning_rate_in_use(self)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def evaluation_loop(self, *args, **kwargs):
+        if not (self.is_deepspeed_enabled and self.backend.evaluates_plain_model(self)):
+            return super().evaluation_loop(*args, **kwargs)
+        self.is_deepspeed_enabled = False  # evaluate the replicated model as plain data parallelism does
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.is_deepspeed_enabled = True
+
+    def _get_learning_rate(self):
+        recorded = getattr(self, "_learning_rate_in_use", None)
+        return recorded if recorded is not None else super()._get_learning_rate()
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        self.backend.before_prepare(self, max_steps)
+        prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        self.backend.after_prepare(self)
+        return prepared
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        """`resume_from_checkpoint="auto"`: the newest checkpoint in output_dir, or a fresh start if none."""
+        if resume_from_checkpoint == "auto":
+            output_dir = Path(self.args.output_dir)
+            resume_from_checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
+            logger.warning("resume_from_checkpoint=auto: %s", resume_from_checkpoint or "no checkpoint, fresh start")
+        result = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        if self.is_world_process_zero() and hasattr(self.backend, "save_resolved_config"):
+            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+            self.backend.save_resolved_config(self.args.output_dir)
+        return result
+
+
+def _dataloader_with_batch_sampler(trainer, dataset, description, batch_sampler):
+    from functools import partial
+
+    import datasets
+    from torch.utils.data import DataLoader
+    from transformers.trainer_utils import seed_worker
+
+    args = trainer.args
+    collator = trainer.data_collator
+    if isinstance(dataset, datasets.Dataset):
+        dataset = trainer._remove_unused_columns(dataset, description=description)
+    else:
+        collator = trainer._get_collator_with_removed_columns(trainer.data_collator, description=description)
+    params = {"batch_sampler": batch_sampler, "collate_fn": collator, "num_workers": args.dataloader_num_workers,
+              "pin_memory": args.dataloader_pin_memory, "persistent_workers": args.dataloader_persistent_workers,
+              "prefetch_factor": args.dataloader_prefetch_factor}
+    if args.dataloader_num_workers > 0 and args.dataloader_multiprocessing_context:
+        params["multiprocessing_context"] = args.dataloader_multiprocessing_context
+    params["worker_init_fn"] = partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index)
+    return trainer.accelerator.prepare(DataLoader(dataset, **params))
+
+
+def _unshard(dataloader, batch_sampler) -> None:
+    """accelerate wraps every batch sampler to shard it over ranks; ours is already one rank's share."""
+    wrapper = getattr(dataloader, "batch_sampler", None)
+    if wrapper is not None and getattr(wrapper, "batch_sampler", None) is batch_sampler:
+        wrapper.num_processes, wrapper.process_index = 1, 0
