@@ -112,3 +112,40 @@ def max_weight_difference(a, b):
     first, second = weights(a), weights(b)
     assert first.keys() == second.keys()
     return max((first[k].float() - second[k].float()).abs().max().item() for k in first)
+
+
+# Shared runs of examples/run_glue.py (session-wide: the backend tests compare against the same single-process runs).
+STEPS = 20
+PLAIN = ["--do_train", "--do_eval", "--do_predict", "--max_steps", STEPS, "--max_eval_samples", "64",
+         "--max_predict_samples", "37", "--save_strategy", "no"]
+# 12 steps, accumulation 2, clipping that bites (grad norms reach ~1.4), linear warmup over 5 steps.
+ACCUMULATE = ["--do_train", "--max_steps", "12", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5",
+              "--warmup_steps", "5", "--learning_rate", "1e-4"]
+
+
+@pytest.fixture(scope="session")
+def plain_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plain")
+    launch("single", root / "single", *PLAIN, "--per_device_train_batch_size", 16)
+    launch("torchrun", root / "ddp", *PLAIN, "--per_device_train_batch_size", 8)
+    launch("deepspeed", root / "zero2", *PLAIN, "--per_device_train_batch_size", 8, "--deepspeed",
+           "ds_configs/zero2_minimal.json")
+    return root
+
+
+@pytest.fixture(scope="session")
+def accumulate_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("accumulate")
+    launch("single", root / "single", *ACCUMULATE, "--per_device_train_batch_size", 8, "--save_strategy", "steps",
+           "--save_steps", 6)
+    launch("launch", root / "ddp", *ACCUMULATE, "--per_device_train_batch_size", 4, "--save_strategy", "no")
+    launch("deepspeed", root / "zero2", *ACCUMULATE, "--per_device_train_batch_size", 4, "--deepspeed",
+           "zero2_minimal", "--save_strategy", "steps", "--save_steps", 6)
+    return root
+
+
+def assert_same_training(base, other, steps):
+    ours, theirs = logged(base), logged(other)
+    assert sorted(ours) == sorted(theirs) == list(range(1, steps + 1))
+    assert max(abs(ours[s] - theirs[s]) for s in ours) < 1e-5
+    assert max_weight_difference(base, other) < 1e-5

@@ -2,50 +2,15 @@
 global batch, report true losses, resume exactly, and evaluate in dataset order."""
 
 import json
-import math
 import shutil
 import subprocess
-import sys
+import time
 
 import numpy as np
 import pytest
 
-from conftest import PYTHON, REPO, free_port, launch, logged, max_weight_difference, run, BIN, GLUE, GLUE_COMMON
-
-STEPS = 20
-PLAIN = ["--do_train", "--do_eval", "--do_predict", "--max_steps", STEPS, "--max_eval_samples", "64",
-         "--max_predict_samples", "37", "--save_strategy", "no"]
-# 12 steps, accumulation 2, clipping that bites (grad norms reach ~1.4), linear warmup over 5 steps.
-ACCUMULATE = ["--do_train", "--max_steps", "12", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5",
-              "--warmup_steps", "5", "--learning_rate", "1e-4"]
-
-
-@pytest.fixture(scope="module")
-def plain_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("plain")
-    launch("single", root / "single", *PLAIN, "--per_device_train_batch_size", 16)
-    launch("torchrun", root / "ddp", *PLAIN, "--per_device_train_batch_size", 8)
-    launch("deepspeed", root / "zero2", *PLAIN, "--per_device_train_batch_size", 8, "--deepspeed",
-           "ds_configs/zero2_minimal.json")
-    return root
-
-
-@pytest.fixture(scope="module")
-def accumulate_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("accumulate")
-    launch("single", root / "single", *ACCUMULATE, "--per_device_train_batch_size", 8, "--save_strategy", "no")
-    launch("launch", root / "ddp", *ACCUMULATE, "--per_device_train_batch_size", 4, "--save_strategy", "no")
-    launch("deepspeed", root / "zero2", *ACCUMULATE, "--per_device_train_batch_size", 4, "--deepspeed",
-           "zero2_minimal", "--save_strategy", "steps", "--save_steps", 6)
-    return root
-
-
-def assert_same_training(base, other, steps):
-    ours, theirs = logged(base), logged(other)
-    assert sorted(ours) == sorted(theirs) == list(range(1, steps + 1))
-    assert max(abs(ours[s] - theirs[s]) for s in ours) < 1e-5
-    assert max_weight_difference(base, other) < 1e-5
-
+from conftest import (ACCUMULATE, BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, assert_same_training, free_port,
+                      launch, logged, max_weight_difference)
 
 @pytest.mark.parametrize("backend", ["ddp", "zero2"])
 def test_same_loss_curve_and_weights_as_one_process(plain_runs, backend):
@@ -122,6 +87,8 @@ def test_zero2_over_two_torchrun_nodes_matches_one_launcher(plain_runs, tmp_path
     flags = [*PLAIN, "--per_device_train_batch_size", 8, "--deepspeed", "zero2_minimal"]
     nodes = []
     for node_rank in (0, 1):
+        if node_rank:
+            time.sleep(2)  # node 0's agent hosts the rendezvous store
         cmd = [BIN / "torchrun", "--nnodes", 2, "--nproc_per_node", 1, "--node_rank", node_rank,
                "--master_addr", "127.0.0.1", "--master_port", port, GLUE, "--output_dir", output, *GLUE_COMMON,
                *flags]

@@ -145,9 +145,3 @@ def test_sampler_order_depends_on_seed_and_epoch_only():
     first.set_epoch(1)
     assert list(first) != list(again)
     assert list(RankStridedBatchSampler(20, 4, seed=2)) != list(again)
-
-
-def test_sharded_ddp_is_refused_clearly_until_its_backend_exists(tmp_path):
-    args = ExtTrainingArguments(output_dir=str(tmp_path), sharded_ddp="simple", report_to="none")
-    with pytest.raises(NotImplementedError, match="--sharded_ddp simple"):
-        ExtTrainer(model=tiny_bert(), args=args)

@@ -14,7 +14,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from .deepspeed_config import DeepSpeedConfigError, load_deepspeed_config, resolve_deepspeed_config
 from .options import (FP16_BACKENDS, FP16_OPT_LEVELS, SHARDED_DDP_OPTIONS, ArgumentsError, check_fp16_backend,
-                      merge_warmup_ratio, parse_class_weights, parse_sharded_ddp)
+                      check_sharded_ddp_machine, merge_warmup_ratio, parse_class_weights, parse_sharded_ddp)
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,8 @@ class ExtTrainingArguments(TrainingArguments):
                 "fp16 needs a CUDA device and this machine has none: use --bf16 (or fp32) on CPU"
                 + (" — fp16 comes from the DeepSpeed file's fp16.enabled: set it to \"auto\" (or use "
                    "--deepspeed zero2_minimal)" if from_file else ""))
+        if self.sharded_ddp:
+            check_sharded_ddp_machine(self.sharded_ddp, torch.cuda.is_available(), bool(self.fp16 or self.bf16))
         if launched_world_size() > 1 and not self.use_cpu and not accelerator_available():
             # Without it transformers 5 leaves each CPU rank on its own: N independent runs, no error.
             logger.warning("%d ranks launched and no GPU: setting --use_cpu so the ranks form one gloo "

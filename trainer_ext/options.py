@@ -41,6 +41,17 @@ def parse_sharded_ddp(value) -> list[str]:
     return words
 
 
+def check_sharded_ddp_machine(options: list[str], cuda_available: bool, mixed_precision: bool) -> None:
+    """The FullyShardedDataParallel options need CUDA, and FairScale offloads only in mixed precision."""
+    flag = f"--sharded_ddp {' '.join(options)}"
+    if ({"zero_dp_2", "zero_dp_3"} & set(options)) and not cuda_available:
+        raise ArgumentsError(f"{flag}: FairScale's FullyShardedDataParallel needs CUDA and this machine has none; "
+                             "use --sharded_ddp simple (optimizer state sharded, works on CPU)")
+    if "offload" in options and not mixed_precision:
+        raise ArgumentsError(f"{flag}: FairScale offloads parameters to the CPU only in mixed precision (its FP32 "
+                             "master shard lives there); add --fp16 or --bf16")
+
+
 def check_fp16_backend(backend: str, opt_level: str) -> None:
     if backend not in FP16_BACKENDS:
         raise ArgumentsError(f"--fp16_backend {backend!r}: choose one of {', '.join(FP16_BACKENDS)}")

@@ -87,7 +87,7 @@ class ExtTrainer(Trainer):
 
     def _loss_uses_num_items(self, model, inputs) -> bool:
         """Ask the model itself: does its loss change with `num_items_in_batch`? (A plain mean does not.)"""
-        module = self.accelerator.unwrap_model(model)
+        module = self.backend.unwrap(self.accelerator.unwrap_model(model))
         inputs = self._prepare_inputs(inputs)
         was_training = module.training
         module.eval()
@@ -107,6 +107,8 @@ class ExtTrainer(Trainer):
         if self.optimizer is not None:
             return self.optimizer
         model = model if model is not None else self.model
+        if self.backend.wraps_before_optimizer():  # parameter sharding: optimize the shards it creates
+            model = self.model_wrapped = self.backend.wrap_model(self, model)
         settings = self.optimizer_settings
         decay = set(self.get_decay_parameter_names(model))
         groups = [
@@ -115,7 +117,9 @@ class ExtTrainer(Trainer):
             {"params": [p for n, p in model.named_parameters() if n not in decay and p.requires_grad],
              "weight_decay": 0.0},
         ]
-        self.optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
+        kwargs = {"lr": settings.lr, "betas": settings.betas, "eps": settings.eps}
+        self.optimizer = (self.backend.build_optimizer(self, groups, torch.optim.AdamW, kwargs)
+                          or torch.optim.AdamW(groups, **kwargs))
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -151,6 +155,28 @@ class ExtTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._learning_rate_in_use = self.backend.learning_rate_in_use(self)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        if training:
+            wrapped = self.backend.wrap_model(self, model)
+            if wrapped is not None:
+                return wrapped
+        return super()._wrap_model(model, training, dataloader)
+
+    def _clip_grad_norm(self, model):
+        norm = self.backend.clip_grad_norm(self, model, self.args.max_grad_norm)
+        return norm if norm is not None else super()._clip_grad_norm(model)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        self.backend.before_optimizer_save(self)
+        super()._save_optimizer_and_scheduler(output_dir)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        state_dict = self.backend.full_state_dict(self)
+        if state_dict is None:
+            return super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            self._save(output_dir or self.args.output_dir, state_dict=state_dict)
 
     def evaluation_loop(self, *args, **kwargs):
         if not (self.is_deepspeed_enabled and self.backend.evaluates_plain_model(self)):

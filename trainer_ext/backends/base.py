@@ -19,6 +19,32 @@ class Backend:
     def after_prepare(self, trainer) -> None:
         """Called after wrapping, before the first step (and before a checkpoint is loaded)."""
 
+    def build_optimizer(self, trainer, param_groups, optimizer_cls, kwargs):
+        """The optimizer over these parameter groups; None: the plain `optimizer_cls`."""
+        return None
+
+    def wraps_before_optimizer(self) -> bool:
+        """True when the optimizer must be built on the wrapped model's parameters (parameter sharding)."""
+        return False
+
+    def wrap_model(self, trainer, model):
+        """The model wrapped for training; None: transformers/accelerate wrap it (DDP)."""
+        return None
+
+    def unwrap(self, model):
+        return model
+
+    def clip_grad_norm(self, trainer, model, max_norm: float):
+        """The pre-clip total norm after clipping; None: transformers clips."""
+        return None
+
+    def before_optimizer_save(self, trainer) -> None:
+        """Called on every rank before rank 0 saves the optimizer state."""
+
+    def full_state_dict(self, trainer):
+        """The whole model's weights when the model is sharded (collective); None otherwise."""
+        return None
+
     def evaluates_plain_model(self, trainer) -> bool:
         """True: an evaluation before training may run the unwrapped model (no engine needed for it)."""
         return False
@@ -35,14 +61,13 @@ class Backend:
 BACKENDS = {
     "ddp": (".ddp", "DDPBackend"),
     "deepspeed": (".deepspeed", "DeepSpeedBackend"),
+    "fairscale": (".fairscale", "FairScaleBackend"),
 }
 
 
 def select_backend(args) -> Backend:
-    if getattr(args, "sharded_ddp", None):
-        raise NotImplementedError(
-            f"--sharded_ddp {' '.join(args.sharded_ddp)}: the FairScale backend is not in this release yet; "
-            "use --deepspeed zero2_minimal (ZeRO-2) for sharded optimizer state")
-    name = "deepspeed" if getattr(args, "deepspeed", None) else "ddp"
+    options = list(getattr(args, "sharded_ddp", None) or [])
+    name = "deepspeed" if getattr(args, "deepspeed", None) else "fairscale" if options else "ddp"
     module, cls = BACKENDS[name]
-    return getattr(import_module(module, __package__), cls)()
+    backend_class = getattr(import_module(module, __package__), cls)
+    return backend_class(options) if name == "fairscale" else backend_class()

@@ -1,0 +1,140 @@
+"""--sharded_ddp (FairScale) on real launchers: `simple` trains exactly like one process and DDP, its
+checkpoints hold one ordinary optimizer state that resumes on any number of ranks, and its memory saving
+is measured; the CUDA-only options fail early without CUDA and run where there is one."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import (ACCUMULATE, PLAIN, PYTHON, REPO, STEPS, assert_same_training, free_port, launch, logged,
+                      max_weight_difference, run)
+from trainer_ext.options import ArgumentsError, check_sharded_ddp_machine
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+SCRIPT = REPO / "tests" / "scripts" / "parse_args.py"
+
+
+@pytest.fixture(scope="module")
+def simple_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("simple")
+    launch("launch", root / "plain", *PLAIN, "--per_device_train_batch_size", 8, "--sharded_ddp", "simple")
+    launch("torchrun", root / "accumulate", *ACCUMULATE, "--per_device_train_batch_size", 4, "--sharded_ddp",
+           "simple", "--save_strategy", "steps", "--save_steps", 6)
+    return root
+
+
+def test_simple_trains_like_one_process(plain_runs, simple_runs):
+    """OSS + ShardedDataParallel on the same global batch must be the same training (fp32, no dropout)."""
+    assert_same_training(plain_runs / "single", simple_runs / "plain", STEPS)
+    assert_same_training(plain_runs / "ddp", simple_runs / "plain", STEPS)
+
+
+def test_simple_with_accumulation_and_clipping(accumulate_runs, simple_runs):
+    """Clipping must use the norm over all shards, not this rank's."""
+    assert_same_training(accumulate_runs / "single", simple_runs / "accumulate", 12)
+    ours, theirs = logged(accumulate_runs / "single", "grad_norm"), logged(simple_runs / "accumulate", "grad_norm")
+    assert max(ours.values()) > 0.5
+    assert max(abs(ours[s] - theirs[s]) for s in ours) < 1e-5
+
+
+def test_simple_predictions_equal_one_process(plain_runs, simple_runs):
+    single = json.loads((plain_runs / "single" / "predictions.json").read_text())
+    sharded = json.loads((simple_runs / "plain" / "predictions.json").read_text())
+    assert sharded["predictions"] == single["predictions"]
+
+
+def test_checkpoint_holds_one_ordinary_optimizer_state(simple_runs):
+    """Consolidated on rank 0: every parameter's moments, full size, loadable by plain AdamW."""
+    from safetensors.torch import load_file
+
+    checkpoint = simple_runs / "accumulate" / "checkpoint-6"
+    state = torch.load(checkpoint / "optimizer.pt", weights_only=False)
+    parameters = load_file(str(checkpoint / "model.safetensors"))
+    assert set(state) == {"state", "param_groups"}
+    assert len(state["state"]) == len(parameters) == sum(len(g["params"]) for g in state["param_groups"])
+    sizes = sorted(s["exp_avg"].numel() for s in state["state"].values())
+    assert sizes == sorted(p.numel() for p in parameters.values())
+    assert (simple_runs / "accumulate" / "model.safetensors").is_file()  # a normal Hugging Face model at the end
+
+
+def resume(kind, output_dir, checkpoint, *flags):
+    output_dir.mkdir()
+    shutil.copytree(checkpoint, output_dir / checkpoint.name)
+    launch(kind, output_dir, *ACCUMULATE, "--save_strategy", "no", "--resume_from_checkpoint", "auto", *flags)
+    return output_dir
+
+
+@pytest.mark.parametrize("kind,flags", [
+    ("launch", ["--per_device_train_batch_size", 4, "--sharded_ddp", "simple"]),
+    ("single", ["--per_device_train_batch_size", 8]),
+], ids=["2-ranks", "1-rank"])
+def test_checkpoint_from_2_ranks_resumes_on_2_and_on_1(simple_runs, tmp_path, kind, flags):
+    """Same global batch, any rank count: the continuation equals the uninterrupted run."""
+    uninterrupted = simple_runs / "accumulate"
+    resumed = resume(kind, tmp_path / "resumed", uninterrupted / "checkpoint-6", *flags)
+    ours, theirs = logged(uninterrupted), logged(resumed)
+    assert max(abs(ours[s] - theirs[s]) for s in range(7, 13)) < 1e-5
+    assert max_weight_difference(uninterrupted, resumed) < 1e-5
+
+
+def test_checkpoint_from_1_rank_resumes_on_2_sharded_ranks(accumulate_runs, tmp_path):
+    """A plain single-process checkpoint is re-sharded by OSS on 2 ranks."""
+    uninterrupted = accumulate_runs / "single"
+    resumed = resume("torchrun", tmp_path / "resumed", uninterrupted / "checkpoint-6",
+                     "--per_device_train_batch_size", 4, "--sharded_ddp", "simple")
+    ours, theirs = logged(uninterrupted), logged(resumed)
+    assert max(abs(ours[s] - theirs[s]) for s in range(7, 13)) < 1e-5
+    assert max_weight_difference(uninterrupted, resumed) < 1e-5
+
+
+def test_optimizer_state_per_rank_is_one_over_n(tmp_path):
+    """The point of `simple`: each of N ranks holds 1/N of the Adam moments (whole tensors, so within 2%)."""
+    out = run([PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", 2, "--master_port", free_port(),
+               REPO / "benchmarks" / "sharded_ddp.py", "--steps", 1, "--repeats", 1, "--results",
+               tmp_path / "result.md"])
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    ratios = result["optimizer_state_ratio_per_rank"]
+    assert all(abs(ratio - 0.5) <= 0.02 for ratio in ratios)
+    assert sum(result["optimizer_state_bytes_per_rank"]["simple"]) == result["optimizer_state_bytes_per_rank"]["ddp"][0]
+    assert result["optimizer_state_bytes_per_rank"]["ddp"][0] == 2 * result["parameter_bytes"]
+    assert result["max_loss_difference"] < 1e-5
+    assert "simple / DDP" in (tmp_path / "result.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+@pytest.mark.parametrize("options", [["zero_dp_2"], ["zero_dp_3"], ["zero_dp_3", "offload"]])
+def test_fully_sharded_options_fail_early_without_cuda(tmp_path, options):
+    out = run([PYTHON, SCRIPT, "--output_dir", tmp_path, "--sharded_ddp", *options])
+    assert out.returncode == 2 and "ARGS" not in out.stdout
+    assert f"--sharded_ddp {' '.join(options)}" in out.stderr and "use --sharded_ddp simple" in out.stderr
+
+
+def test_offload_requires_mixed_precision():
+    with pytest.raises(ArgumentsError, match="offload.*mixed precision.*--fp16 or --bf16"):
+        check_sharded_ddp_machine(["zero_dp_2", "offload"], cuda_available=True, mixed_precision=False)
+    check_sharded_ddp_machine(["zero_dp_2", "offload"], cuda_available=True, mixed_precision=True)
+
+
+# -- CUDA paths (run where a GPU is present; skipped on CPU machines) ------------------------------------------
+
+def cuda_ranks():
+    return max(1, min(2, torch.cuda.device_count()))
+
+
+@requires_cuda
+@pytest.mark.parametrize("options,precision", [("zero_dp_2", []), ("zero_dp_3", []),
+                                               ("zero_dp_2 offload", ["--fp16"]), ("simple", ["--fp16"])])
+def test_cuda_sharded_options_train_like_ddp(tmp_path, options, precision):
+    """FSDP (reshard or not, offloaded) and simple+fp16 (ShardedGradScaler) follow the DDP run."""
+    ranks = cuda_ranks()
+    flags = ["--do_train", "--max_steps", 8, "--per_device_train_batch_size", 16 // ranks, *precision]
+    launch("torchrun", tmp_path / "ddp", *flags, "--save_strategy", "no", ranks=ranks)
+    launch("torchrun", tmp_path / "sharded", *flags, "--sharded_ddp", options, "--save_strategy", "steps",
+           "--save_steps", 4, ranks=ranks)
+    ours, theirs = logged(tmp_path / "ddp"), logged(tmp_path / "sharded")
+    tolerance = 5e-3 if precision else 1e-4
+    assert max(abs(ours[s] - theirs[s]) for s in ours) < tolerance
+    assert (tmp_path / "sharded" / "model.safetensors").is_file()

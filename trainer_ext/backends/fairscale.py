@@ -1,0 +1,110 @@
+"""FairScale sharded data parallelism (--sharded_ddp): `simple` shards the optimizer state (OSS) and reduces each
+gradient to the rank that owns it (ShardedDataParallel); `zero_dp_2` / `zero_dp_3` shard parameters too
+(FullyShardedDataParallel, CUDA only), `offload` keeps them on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .base import Backend
+
+INSTALL = "pip install fairscale==0.4.13 (or pip install 'trainer_ext[fairscale]')"
+
+
+class FairScaleBackend(Backend):
+    name = "fairscale"
+
+    def __init__(self, options: list[str]):
+        self.options = list(options)
+        self.fully_sharded = "zero_dp_2" in options or "zero_dp_3" in options
+
+    def describe(self) -> str:
+        return f"fairscale --sharded_ddp {' '.join(self.options)}"
+
+    def check(self, args) -> None:
+        """Machine and precision were checked at argument parsing (options.check_sharded_ddp_machine)."""
+        if importlib.util.find_spec("fairscale") is None:
+            raise ImportError(f"--sharded_ddp {' '.join(self.options)} needs FairScale, which is not installed: "
+                              f"{INSTALL}")
+
+    # -- optimizer -------------------------------------------------------------------------------------
+    def build_optimizer(self, trainer, param_groups, optimizer_cls, kwargs):
+        if self.fully_sharded:
+            return None  # built on the wrapped model's flat parameters, see wrap_before_optimizer
+        from fairscale.optim import OSS
+
+        return OSS(params=param_groups, optim=optimizer_cls, **kwargs)
+
+    def wraps_before_optimizer(self) -> bool:
+        return self.fully_sharded
+
+    # -- model -----------------------------------------------------------------------------------------
+    def wrap_model(self, trainer, model):
+        from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
+
+        if isinstance(model, (ShardedDataParallel, FullyShardedDataParallel)):
+            return model
+        if not self.fully_sharded:
+            return ShardedDataParallel(model, sharded_optimizer=sharded_optimizer(trainer.optimizer))
+        args = trainer.args
+        mixed = bool(args.fp16 or args.bf16)
+        return FullyShardedDataParallel(
+            model, reshard_after_forward="zero_dp_3" in self.options, mixed_precision=mixed,
+            compute_dtype=torch.bfloat16 if args.bf16 else None, move_params_to_cpu="offload" in self.options,
+            compute_device=args.device if args.device.type == "cuda" else None,
+            flatten_parameters=False)  # keeps parameter names, so biases and LayerNorm get no weight decay
+
+    def unwrap(self, model):
+        from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
+
+        return model.module if isinstance(model, (ShardedDataParallel, FullyShardedDataParallel)) else model
+
+    def before_prepare(self, trainer, num_training_steps: int) -> None:
+        if trainer.args.fp16:
+            from fairscale.optim.grad_scaler import ShardedGradScaler
+
+            # inf checks and unscaling must see every shard, not only this rank's
+            trainer.accelerator.scaler = ShardedGradScaler()
+        # accelerate moves an optimizer's state by reading state_dict(), which OSS refuses before consolidation
+        self._device_placement = trainer.accelerator.device_placement
+        trainer.accelerator.device_placement = False
+
+    def after_prepare(self, trainer) -> None:
+        trainer.accelerator.device_placement = self._device_placement
+
+    # -- steps and checkpoints -------------------------------------------------------------------------
+    def clip_grad_norm(self, trainer, model, max_norm: float):
+        """A norm over all shards: every rank gets the same total norm and the same clipping factor."""
+        if self.fully_sharded:
+            return model.clip_grad_norm_(max_norm)
+        return sharded_optimizer(trainer.optimizer).clip_grad_norm(max_norm)
+
+    def before_optimizer_save(self, trainer) -> None:
+        """Gather the sharded state on rank 0 (a collective: every rank takes part) so it saves one plain
+        optimizer state dict, which resumes on any number of ranks."""
+        if not self.fully_sharded:
+            sharded_optimizer(trainer.optimizer).consolidate_state_dict(recipient_rank=0)
+
+    def full_state_dict(self, trainer):
+        """FSDP: the unsharded weights, gathered from every rank (collective); None when nothing is sharded."""
+        if not self.fully_sharded:
+            return None
+        return {k: v.cpu() for k, v in trainer.model_wrapped.state_dict().items()}
+
+    def optimizer_state_bytes(self, trainer) -> int:
+        """Bytes of optimizer state (Adam moments) this rank holds."""
+        optimizer = sharded_optimizer(trainer.optimizer)
+        inner = getattr(optimizer, "optim", optimizer)
+        return state_bytes(inner)
+
+
+def sharded_optimizer(optimizer):
+    """The FairScale optimizer under accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def state_bytes(optimizer) -> int:
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if torch.is_tensor(t) and t.dim() > 0)
