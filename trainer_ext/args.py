@@ -14,7 +14,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from .deepspeed_config import DeepSpeedConfigError, load_deepspeed_config, resolve_deepspeed_config
 from .options import (FP16_BACKENDS, FP16_OPT_LEVELS, SHARDED_DDP_OPTIONS, ArgumentsError, check_fp16_backend,
-                      check_sharded_ddp_machine, merge_warmup_ratio, parse_class_weights, parse_sharded_ddp)
+                      check_fp16_device, check_sharded_ddp_machine, merge_warmup_ratio, parse_class_weights, parse_sharded_ddp)
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +67,8 @@ class ExtTrainingArguments(TrainingArguments):
                 setattr(self, flag, value)  # so logs and the Trainer tell the truth
             self.deepspeed_resolution = resolution
             self.deepspeed = resolution.config
-        if self.fp16 and not torch.cuda.is_available():
-            from_file = self.deepspeed_resolution and "fp16" in self.deepspeed_resolution.effective_flags
-            raise ArgumentsError(
-                "fp16 needs a CUDA device and this machine has none: use --bf16 (or fp32) on CPU"
-                + (" — fp16 comes from the DeepSpeed file's fp16.enabled: set it to \"auto\" (or use "
-                   "--deepspeed zero2_minimal)" if from_file else ""))
+        from_file = bool(self.deepspeed_resolution and "fp16" in self.deepspeed_resolution.effective_flags)
+        check_fp16_device(self.fp16, torch.cuda.is_available(), from_file)
         if self.sharded_ddp:
             check_sharded_ddp_machine(self.sharded_ddp, torch.cuda.is_available(), bool(self.fp16 or self.bf16))
         if launched_world_size() > 1 and not self.use_cpu and not accelerator_available():

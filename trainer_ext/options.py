@@ -52,6 +52,14 @@ def check_sharded_ddp_machine(options: list[str], cuda_available: bool, mixed_pr
                              "master shard lives there); add --fp16 or --bf16")
 
 
+def check_fp16_device(fp16: bool, cuda_available: bool, from_deepspeed_file: bool) -> None:
+    if fp16 and not cuda_available:
+        raise ArgumentsError(
+            "fp16 needs a CUDA device and this machine has none: use --bf16 (or fp32) on CPU"
+            + (" — fp16 comes from the DeepSpeed file's fp16.enabled: set it to \"auto\" (or use "
+               "--deepspeed zero2_minimal)" if from_deepspeed_file else ""))
+
+
 def check_fp16_backend(backend: str, opt_level: str) -> None:
     if backend not in FP16_BACKENDS:
         raise ArgumentsError(f"--fp16_backend {backend!r}: choose one of {', '.join(FP16_BACKENDS)}")

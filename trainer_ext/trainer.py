@@ -36,6 +36,7 @@ class ExtTrainer(Trainer):
         if args is not None:
             self.backend.check(args)
         super().__init__(model, args, *positional, **kwargs)
+        _check_process_group(self.args)
         self.loss_fn = loss_fn
         weights = class_weights if class_weights is not None else getattr(self.args, "class_weights", None)
         self.class_weights = [float(w) for w in weights] if weights else None
@@ -208,6 +209,16 @@ class ExtTrainer(Trainer):
             Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
             self.backend.save_resolved_config(self.args.output_dir)
         return result
+
+
+def _check_process_group(args) -> None:
+    """A launcher started N ranks but they did not form one group: each would train alone, N times over."""
+    import os
+
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1 and args.world_size == 1:
+        raise RuntimeError(f"{launched} ranks were launched but this one trains alone (world size 1): on a machine "
+                           "without a GPU pass --use_cpu, or use trainer_ext.ExtTrainingArguments, which sets it")
 
 
 def _dataloader_with_batch_sampler(trainer, dataset, description, batch_sampler):

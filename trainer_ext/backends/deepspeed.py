@@ -25,13 +25,27 @@ class DeepSpeedBackend(Backend):
 
         if importlib.util.find_spec("deepspeed") is None:
             raise ImportError(f"--deepspeed needs DeepSpeed, which is not installed: {INSTALL}")
+        import torch
+
+        from ..options import check_fp16_device
+
+        # Plain TrainingArguments never ran our parse-time checks: the file may enable fp16 on a CPU machine.
+        user_config = getattr(args, "deepspeed_user_config", None) or args.deepspeed
+        resolution = resolve_deepspeed_config(args, user_config, final=False)
+        fp16 = resolution.config.get("fp16", {}).get("enabled") is True
+        check_fp16_device(fp16, torch.cuda.is_available(), "fp16" in resolution.effective_flags)
 
     def before_prepare(self, trainer, num_training_steps: int) -> None:
         args = trainer.args
         model = trainer.accelerator.unwrap_model(trainer.model)
         hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
-        self.resolution = resolve_deepspeed_config(args, args.deepspeed_user_config, world_size=args.world_size,
+        # ExtTrainingArguments keeps the file as the user wrote it; plain TrainingArguments keep `deepspeed` as is.
+        user_config = getattr(args, "deepspeed_user_config", None) or args.deepspeed
+        self.resolution = resolve_deepspeed_config(args, user_config, world_size=args.world_size,
                                                    num_training_steps=num_training_steps, hidden_size=hidden_size)
+        for flag, value in self.resolution.effective_flags.items():
+            if hasattr(args, flag):
+                setattr(args, flag, value)
         hf_config = trainer.accelerator.state.deepspeed_plugin.hf_ds_config
         # In place: accelerate's plugin holds the same dict. The translator already checked every field against
         # the flags; transformers' argument-time checks saw the world size before the process group existed.
@@ -55,8 +69,8 @@ class DeepSpeedBackend(Backend):
     def evaluates_plain_model(self, trainer) -> bool:
         # Below ZeRO-3 every rank holds all parameters, so evaluating before training needs no engine; stock
         # transformers insists on one and fails ("ZeRO inference only makes sense with ZeRO Stage 3").
-        stage = trainer.args.deepspeed.get("zero_optimization", {}).get("stage", 0)
-        return trainer.deepspeed is None and stage < 3
+        config = trainer.accelerator.state.deepspeed_plugin.hf_ds_config.config
+        return trainer.deepspeed is None and config.get("zero_optimization", {}).get("stage", 0) < 3
 
     def learning_rate_in_use(self, trainer) -> float | None:
         # accelerate runs engine.step() (optimizer and scheduler) inside backward, before transformers reads
