@@ -16,6 +16,7 @@ _LAZY = {
     "load_deepspeed_config": ".deepspeed_config",
     "DeepSpeedConfigError": ".deepspeed_config",
     "ArgumentsError": ".options",
+    "Preempted": ".preemption",
 }
 __all__ = sorted(_LAZY)
 

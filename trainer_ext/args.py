@@ -46,6 +46,10 @@ class ExtTrainingArguments(TrainingArguments):
     warmup_ratio: float = field(
         default=0.0, metadata={"help": "transformers v4 spelling: warm up over this fraction of the training steps."}
     )
+    fresh_start: bool = field(
+        default=False, metadata={"help": "Start over even if output_dir holds checkpoints (by default a run "
+                                         "resumes from the newest complete one)."}
+    )
     class_weights: str | None = field(
         default=None, metadata={"help": "Classification loss weight per class, comma separated, e.g. 1.0,3.0."}
     )

@@ -10,10 +10,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from transformers import Trainer
-from transformers.trainer_utils import get_last_checkpoint
 
 from .backends import select_backend
+from .checkpoint import (check_compatible, model_fingerprint, newest_valid_checkpoint, problem_with, publish, rotate,
+                         staging_dir)
 from .data.samplers import RankStridedBatchSampler
+from .preemption import Preempted, PreemptionCallback
 from .settings import OptimizerSettings, SchedulerSettings
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,9 @@ class ExtTrainer(Trainer):
         self.optimizer_settings = optimizer_settings or OptimizerSettings.from_args(self.args)
         self.scheduler_settings = scheduler_settings or SchedulerSettings.from_args(self.args)
         self._model_uses_num_items = None  # decided on the first labelled batch
+        self._staging = None  # set while a checkpoint is being written
+        self.preemption = PreemptionCallback()
+        self.add_callback(self.preemption)
 
     # -- losses ----------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -193,22 +198,77 @@ class ExtTrainer(Trainer):
         return recorded if recorded is not None else super()._get_learning_rate()
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        self.backend.before_prepare(self, max_steps)
+        self.backend.before_prepare(self, max_steps, resume_from_checkpoint)
         prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         self.backend.after_prepare(self)
         return prepared
 
     def train(self, resume_from_checkpoint=None, **kwargs):
-        """`resume_from_checkpoint="auto"`: the newest checkpoint in output_dir, or a fresh start if none."""
-        if resume_from_checkpoint == "auto":
-            output_dir = Path(self.args.output_dir)
-            resume_from_checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
-            logger.warning("resume_from_checkpoint=auto: %s", resume_from_checkpoint or "no checkpoint, fresh start")
-        result = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        """Resumes by default: with no `resume_from_checkpoint` (or "auto"/True) the newest complete checkpoint
+        in output_dir is used, unless --fresh_start. A SIGTERM/SIGINT ends the run after a checkpoint, with
+        `Preempted` (exit status 128 + signal); running the same command again continues exactly."""
+        checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
+        self.preemption.install()
+        try:
+            result = super().train(resume_from_checkpoint=checkpoint, **kwargs)
+        finally:
+            self.preemption.uninstall()
+        if self.preemption.signum:
+            saved = newest_valid_checkpoint(self.args.output_dir)
+            logger.warning("preempted: checkpoint %s written; run the same command again to resume", saved)
+            raise Preempted(self.preemption.signum, saved)
         if self.is_world_process_zero() and hasattr(self.backend, "save_resolved_config"):
             Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
             self.backend.save_resolved_config(self.args.output_dir)
         return result
+
+    def _checkpoint_to_resume(self, requested):
+        if requested in (None, "auto", True):
+            if requested is None and getattr(self.args, "fresh_start", False):
+                return None
+            found = newest_valid_checkpoint(self.args.output_dir)
+            if self.is_world_process_zero():
+                logger.warning("resuming from %s (pass --fresh_start to start over)" if found else
+                               "no complete checkpoint in %s: starting from scratch", found or self.args.output_dir)
+            checkpoint = str(found) if found else None
+        else:
+            checkpoint = str(requested)
+            if not Path(checkpoint).is_dir():
+                raise FileNotFoundError(f"--resume_from_checkpoint {checkpoint}: no such folder")
+            problem = problem_with(Path(checkpoint))
+            if problem:
+                logger.warning("resuming from %s although %s", checkpoint, problem)
+        if checkpoint:
+            module = self.backend.unwrap(self.accelerator.unwrap_model(self.model))
+            check_compatible(checkpoint, model_fingerprint(module))
+        return checkpoint
+
+    # -- checkpoints: written aside, published complete --------------------------------------------------
+    def _get_output_dir(self, trial):
+        return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        run_dir = Path(super()._get_output_dir(trial))
+        self._staging = staging_dir(run_dir)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            staged, self._staging = self._staging, None
+        self.accelerator.wait_for_everyone()  # every rank has written its part
+        if self.args.should_save:
+            name = f"checkpoint-{self.state.global_step}"
+            module = self.backend.unwrap(self.accelerator.unwrap_model(self.model))
+            info = {"step": self.state.global_step, "world_size": self.args.world_size,
+                    "backend": self.backend.describe(), "model": model_fingerprint(module)}
+            final = publish(staged / name, run_dir, info)
+            best = self.state.best_model_checkpoint
+            if best and Path(best).parent == staged:
+                self.state.best_model_checkpoint = str(final)
+            rotate(run_dir, self.args.save_total_limit, keep=Path(self.state.best_model_checkpoint)
+                   if self.state.best_model_checkpoint else None)
+            if staged.is_dir() and not any(staged.iterdir()):
+                staged.rmdir()
+        self.accelerator.wait_for_everyone()
 
 
 def _check_process_group(args) -> None:

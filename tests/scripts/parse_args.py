@@ -2,12 +2,13 @@
 
 import json
 import os
+from pathlib import Path
 
 from trainer_ext import ExtArgumentParser, ExtTrainingArguments
 
 (args,) = ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses()
 device = str(args.device)  # sets up the process group, as the Trainer does first
-print("ARGS " + json.dumps({
+values = {
     "device": device,
     "rank": int(os.environ.get("RANK", 0)),
     "local_rank": args.local_rank,
@@ -19,4 +20,8 @@ print("ARGS " + json.dumps({
     "weight_decay": args.weight_decay,
     "warmup_steps": args.warmup_steps,
     "deepspeed": args.deepspeed,
-}), flush=True)
+}
+# One file per rank: lines printed by two ranks at once can interleave.
+Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+(Path(args.output_dir) / f"args_rank{values['rank']}.json").write_text(json.dumps(values))
+print("ARGS " + json.dumps(values), flush=True)

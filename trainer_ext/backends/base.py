@@ -13,8 +13,8 @@ class Backend:
     def check(self, args) -> None:
         """Fail before any work if this backend cannot run with these arguments on this machine."""
 
-    def before_prepare(self, trainer, num_training_steps: int) -> None:
-        """Called once the step count is known, before the model and optimizer are wrapped."""
+    def before_prepare(self, trainer, num_training_steps: int, resume_from_checkpoint=None) -> None:
+        """Called once the step count (and the checkpoint to resume, if any) is known, before wrapping."""
 
     def after_prepare(self, trainer) -> None:
         """Called after wrapping, before the first step (and before a checkpoint is loaded)."""

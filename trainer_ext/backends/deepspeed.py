@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 from ..deepspeed_config import resolve_deepspeed_config
 from .base import Backend
@@ -35,7 +38,7 @@ class DeepSpeedBackend(Backend):
         fp16 = resolution.config.get("fp16", {}).get("enabled") is True
         check_fp16_device(fp16, torch.cuda.is_available(), "fp16" in resolution.effective_flags)
 
-    def before_prepare(self, trainer, num_training_steps: int) -> None:
+    def before_prepare(self, trainer, num_training_steps: int, resume_from_checkpoint=None) -> None:
         args = trainer.args
         model = trainer.accelerator.unwrap_model(trainer.model)
         hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
@@ -46,6 +49,8 @@ class DeepSpeedBackend(Backend):
         for flag, value in self.resolution.effective_flags.items():
             if hasattr(args, flag):
                 setattr(args, flag, value)
+        if resume_from_checkpoint:
+            self._reshard_if_world_size_changed(trainer, Path(resume_from_checkpoint))
         hf_config = trainer.accelerator.state.deepspeed_plugin.hf_ds_config
         # In place: accelerate's plugin holds the same dict. The translator already checked every field against
         # the flags; transformers' argument-time checks saw the world size before the process group existed.
@@ -56,6 +61,28 @@ class DeepSpeedBackend(Backend):
             notes = "".join(f"\n  note: {note}" for note in self.resolution.notes)
             logger.warning("DeepSpeed config (resolved for %d ranks, %d steps):\n%s%s", args.world_size,
                            num_training_steps, json.dumps(self.resolution.config, indent=2), notes)
+
+    def _reshard_if_world_size_changed(self, trainer, checkpoint: Path) -> None:
+        """DeepSpeed cannot load ZeRO optimizer shards saved by another number of ranks; its universal
+        checkpoint format can. Convert once (main process), load it for this run only."""
+        saved = saved_world_size(checkpoint)
+        world_size = trainer.args.world_size
+        if saved is None or saved == world_size:
+            return
+        tag = (checkpoint / "latest").read_text().strip()
+        universal = checkpoint / f"{tag}_universal"
+        if trainer.is_world_process_zero() and not (checkpoint / "latest_universal").is_file():
+            logger.warning("checkpoint %s was saved on %d ranks, resuming on %d: converting its ZeRO state to "
+                           "DeepSpeed's universal format", checkpoint, saved, world_size)
+            command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                       str(checkpoint / tag), "--output_folder", str(universal), "--inject_missing_state"]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"converting {checkpoint} to a universal checkpoint failed:\n{done.stderr[-3000:]}")
+        trainer.accelerator.wait_for_everyone()
+        # Only for this load: with load_universal on, a later ordinary resume would look for latest_universal.
+        self.resolution.config.setdefault("checkpoint", {})["load_universal"] = True
+        self.resolution.notes.append(f"resuming a {saved}-rank ZeRO checkpoint on {world_size} ranks (universal)")
 
     def after_prepare(self, trainer) -> None:
         from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupLR
@@ -80,10 +107,17 @@ class DeepSpeedBackend(Backend):
 
     def save_resolved_config(self, output_dir) -> None:
         if self.resolution is not None:
-            from pathlib import Path
-
             path = Path(output_dir) / "ds_config.resolved.json"
             path.write_text(json.dumps(self.resolution.config, indent=2) + "\n")
 
     def describe(self) -> str:
         return "deepspeed ZeRO-%s" % (self.resolution.config["zero_optimization"].get("stage") if self.resolution else "?")
+
+
+def saved_world_size(checkpoint: Path) -> int | None:
+    """Data-parallel ranks a DeepSpeed checkpoint was saved on (one ZeRO optimizer shard file each)."""
+    latest = Path(checkpoint) / "latest"
+    if not latest.is_file():
+        return None
+    shards = list((Path(checkpoint) / latest.read_text().strip()).glob("*zero_pp_rank_*_optim_states.pt"))
+    return len(shards) or None

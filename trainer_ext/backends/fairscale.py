@@ -61,7 +61,7 @@ class FairScaleBackend(Backend):
 
         return model.module if isinstance(model, (ShardedDataParallel, FullyShardedDataParallel)) else model
 
-    def before_prepare(self, trainer, num_training_steps: int) -> None:
+    def before_prepare(self, trainer, num_training_steps: int, resume_from_checkpoint=None) -> None:
         if trainer.args.fp16:
             from fairscale.optim.grad_scaler import ShardedGradScaler
 

@@ -1,0 +1,144 @@
+"""Spot-instance safety: SIGTERM mid-run on one rank -> a complete checkpoint and exit 143; the same command
+again continues exactly like an uninterrupted run. Damaged checkpoints are skipped, never resumed."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import (BIN, DISTRIBUTED_ENV, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, assert_same_training,
+                      free_port, launch, logged)
+from trainer_ext.checkpoint import MARKER, newest_valid_checkpoint, rotate
+
+LAUNCHERS = {
+    "ddp": lambda port: [BIN / "torchrun", "--nproc_per_node", 2, "--master_port", port, GLUE],
+    "zero2": lambda port: [BIN / "deepspeed", "--num_gpus", 2, "--master_port", port, GLUE],
+    "simple": lambda port: [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", 2, "--master_port", port,
+                            GLUE],
+}
+BACKEND_FLAGS = {"ddp": [], "zero2": ["--deepspeed", "zero2_minimal"], "simple": ["--sharded_ddp", "simple"]}
+
+
+def rank_process(launcher: subprocess.Popen, rank: int, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if "run_glue.py" in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank):
+                    return child
+            except psutil.Error:
+                continue
+        time.sleep(0.5)
+    raise TimeoutError(f"rank {rank} did not start")
+
+
+def command(backend, output_dir):
+    flags = [*PLAIN, "--per_device_train_batch_size", 8, *BACKEND_FLAGS[backend]]
+    flags = [f for f in flags if f not in ("--do_eval", "--do_predict")]
+    return [str(c) for c in [*LAUNCHERS[backend](free_port()), "--output_dir", output_dir, *GLUE_COMMON,
+                             *[str(f) for f in flags], "--disable_tqdm", "false"]]
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero2", "simple"])
+def test_sigterm_on_one_rank_then_rerun_equals_uninterrupted(plain_runs, tmp_path, backend):
+    """Whichever rank gets SIGTERM, all save the same step; rerunning the same command finishes the same run."""
+    output_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    log = open(tmp_path / "first.log", "w")
+    first = subprocess.Popen(command(backend, output_dir), stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    target = rank_process(first, rank=1)
+    deadline = time.time() + 600
+    while "'loss'" not in (tmp_path / "first.log").read_text().replace('"loss"', "'loss'") and time.time() < deadline:
+        time.sleep(0.2)  # wait for the first logged step
+    target.send_signal(signal.SIGTERM)
+    first.wait(timeout=600)
+    log.close()
+    text = (tmp_path / "first.log").read_text()
+    assert first.returncode != 0, text[-3000:]
+    assert "received SIGTERM" in text and "preempted: checkpoint" in text, text[-3000:]
+    saved = newest_valid_checkpoint(output_dir)
+    assert saved is not None, text[-3000:]
+    interrupted_at = int(saved.name.split("-")[1])
+    assert 1 <= interrupted_at < STEPS, "the signal must arrive mid-training for this test to mean anything"
+    assert not (output_dir / "model.safetensors").exists()  # no final model from an interrupted run
+
+    again = subprocess.run(command(backend, output_dir), capture_output=True, text=True, cwd=REPO, env=env,
+                           timeout=900)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert f"resuming from {saved}" in again.stdout + again.stderr
+    reference = {"ddp": "ddp", "zero2": "zero2", "simple": "ddp"}[backend]
+    assert_same_training(plain_runs / reference, output_dir, STEPS)
+
+
+def test_preempted_process_exits_with_143(tmp_path):
+    """The documented status: 128 + SIGTERM, for job schedulers to tell preemption from failure."""
+    cmd = [PYTHON, GLUE, "--output_dir", tmp_path / "run", *GLUE_COMMON, "--do_train", "--max_steps", 200,
+           "--per_device_train_batch_size", 8, "--save_strategy", "no"]
+    process = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               cwd=REPO)
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if "'loss'" in line:
+            process.send_signal(signal.SIGTERM)
+            break
+    lines += process.stdout.readlines()
+    assert process.wait(timeout=300) == 143, "".join(lines[-50:])
+    assert newest_valid_checkpoint(tmp_path / "run") is not None
+
+
+def write_checkpoint(root, step, complete=True):
+    path = Path(root) / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"weights")
+    if complete:
+        (path / MARKER).write_text(json.dumps({"step": step}))
+    return path
+
+
+def test_damaged_newest_checkpoint_is_skipped(tmp_path, caplog):
+    write_checkpoint(tmp_path, 10)
+    write_checkpoint(tmp_path, 20, complete=False)  # a crash while saving (or a stock-transformers folder)
+    broken = write_checkpoint(tmp_path, 30)
+    (broken / "trainer_state.json").write_text("{not json")
+    assert newest_valid_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
+    assert "skipping checkpoint" in caplog.text and "checkpoint-20" in caplog.text and "checkpoint-30" in caplog.text
+
+
+def test_save_total_limit_never_deletes_the_only_valid_checkpoint(tmp_path):
+    write_checkpoint(tmp_path, 10)
+    write_checkpoint(tmp_path, 20, complete=False)
+    write_checkpoint(tmp_path, 30, complete=False)
+    assert rotate(tmp_path, limit=1) == []
+    assert (tmp_path / "checkpoint-10").is_dir()
+    for step in (40, 50):
+        write_checkpoint(tmp_path, step)
+    deleted = rotate(tmp_path, limit=2, keep=tmp_path / "checkpoint-10")
+    assert deleted == [tmp_path / "checkpoint-40"]  # the best (10) and the newest (50) stay
+
+
+def test_checkpoint_of_a_different_model_is_refused_before_training(plain_runs, tmp_path):
+    """Resuming another model's checkpoint must fail clearly, and overwrite nothing."""
+    run_dir = tmp_path / "run"
+    checkpoint = write_checkpoint(run_dir, 5)
+    (checkpoint / MARKER).write_text(json.dumps({"step": 5, "model": {"model_class": "GPT2LMHeadModel",
+                                                                      "num_parameters": 124439808}}))
+    before = sorted(p.name for p in checkpoint.iterdir())
+    out = subprocess.run([str(c) for c in [PYTHON, GLUE, "--output_dir", run_dir, *GLUE_COMMON, "--do_train",
+                                           "--max_steps", 3, "--save_strategy", "no"]],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode != 0
+    assert "was written by a different model" in out.stderr and "GPT2LMHeadModel" in out.stderr
+    assert "--fresh_start" in out.stderr
+    assert sorted(p.name for p in checkpoint.iterdir()) == before
+    fresh = subprocess.run([str(c) for c in [PYTHON, GLUE, "--output_dir", run_dir, *GLUE_COMMON, "--do_train",
+                                             "--max_steps", 3, "--save_strategy", "no", "--fresh_start"]],
+                           capture_output=True, text=True, cwd=REPO)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]

@@ -1,0 +1,119 @@
+"""Checkpoint safety: a checkpoint is written to a staging folder and renamed into place with a marker file
+only when complete, resume picks the newest complete one, and rotation never deletes the only valid one."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MARKER = "checkpoint_complete.json"
+STAGING = ".staging"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoint_step(path: Path) -> int | None:
+    match = _CHECKPOINT.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def problem_with(path: Path) -> str | None:
+    """Why this folder cannot be resumed from, or None if it is a complete checkpoint."""
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        return f"no {MARKER} (the save did not finish, or it was written without trainer_ext)"
+    if not (path / "trainer_state.json").is_file():
+        return "no trainer_state.json"
+    try:
+        json.loads((path / MARKER).read_text())
+        json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError) as err:
+        return f"unreadable metadata ({err})"
+    weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") or p.name.startswith("global_step")]
+    return None if weights else "no model weights"
+
+
+def valid_checkpoints(output_dir) -> list[Path]:
+    """Complete checkpoints in output_dir, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = sorted((checkpoint_step(p), p) for p in root.iterdir() if p.is_dir() and checkpoint_step(p) is not None)
+    return [path for _, path in found if problem_with(path) is None]
+
+
+def newest_valid_checkpoint(output_dir) -> Path | None:
+    """The newest complete checkpoint; damaged newer ones are skipped with a warning."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return None
+    candidates = sorted(((checkpoint_step(p), p) for p in root.iterdir()
+                         if p.is_dir() and checkpoint_step(p) is not None), reverse=True)
+    for _, path in candidates:
+        problem = problem_with(path)
+        if problem is None:
+            return path
+        logger.warning("skipping checkpoint %s: %s", path, problem)
+    return None
+
+
+def staging_dir(output_dir) -> Path:
+    return Path(output_dir) / STAGING
+
+
+def publish(staged: Path, output_dir, info: dict) -> Path:
+    """Mark a fully written checkpoint complete and move it into output_dir in one rename."""
+    staged, final = Path(staged), Path(output_dir) / Path(staged).name
+    (staged / MARKER).write_text(json.dumps({**info, "saved_at": time.time()}, indent=2) + "\n")
+    if final.exists():  # the same step saved again (e.g. after a resume): replace it, never merge into it
+        old = final.with_name(f"{final.name}.replaced-{os.getpid()}")
+        final.rename(old)
+        staged.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        staged.rename(final)
+    return final
+
+
+def rotate(output_dir, limit: int | None, keep: Path | None = None) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond `limit`; never `keep` (the best), never the newest."""
+    if not limit or limit <= 0:
+        return []
+    valid = valid_checkpoints(output_dir)
+    removable = [p for p in valid[:-1] if keep is None or p.resolve() != Path(keep).resolve()]
+    excess = len(valid) - max(limit, 1)
+    deleted = removable[:max(0, excess)]
+    for path in deleted:
+        logger.info("deleting older checkpoint %s (save_total_limit=%d)", path, limit)
+        shutil.rmtree(path, ignore_errors=True)
+    return deleted
+
+
+def model_fingerprint(model) -> dict:
+    """What a checkpoint must match to be resumed by this model."""
+    config = getattr(model, "config", None)
+    return {
+        "model_class": type(model).__name__,
+        "model_type": getattr(config, "model_type", None),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def check_compatible(checkpoint, fingerprint: dict) -> None:
+    """Refuse, before training, a checkpoint written by a different model."""
+    marker = Path(checkpoint) / MARKER
+    if not marker.is_file():
+        return
+    saved = json.loads(marker.read_text()).get("model", {})
+    differences = [f"{key}: checkpoint {saved[key]!r}, this run {value!r}" for key, value in fingerprint.items()
+                   if key in saved and saved[key] != value]
+    if differences:
+        raise ValueError(f"checkpoint {checkpoint} was written by a different model ({'; '.join(differences)}): "
+                         "resume with the model that wrote it, or pass --fresh_start (or another --output_dir) "
+                         "to start over; nothing was overwritten")

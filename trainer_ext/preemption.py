@@ -1,0 +1,63 @@
+"""Preemption: on SIGTERM (spot reclaim, Kubernetes, SageMaker) or SIGINT, finish the current optimizer step,
+save a checkpoint on every rank's behalf, stop, and exit with 128 + the signal number."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import torch
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preempted(SystemExit):
+    """Raised by ExtTrainer.train after the preemption checkpoint is written; exit status 128 + signal."""
+
+    def __init__(self, signum: int, checkpoint):
+        self.signum, self.checkpoint = signum, checkpoint
+        super().__init__(128 + signum)
+
+
+class PreemptionCallback(TrainerCallback):
+    """Records a signal; at the end of each optimizer step all ranks agree (max over ranks) whether any rank got
+    one, so whichever rank the signal reached, every rank saves the same step and stops."""
+
+    def __init__(self):
+        self.received = 0
+        self.signum = 0
+        self._previous = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for signum in SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.received:  # a second signal: the user means it, let the default behaviour happen
+            self.uninstall()
+            signal.raise_signal(signum)
+            return
+        self.received = signum
+        logger.warning("received %s: finishing this step, then saving a checkpoint",
+                       signal.Signals(signum).name)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        flag = torch.tensor([float(self.received)], device=args.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item() > 0:
+            self.signum = int(flag.item())
+            control.should_save = True
+            control.should_training_stop = True
+        return control
