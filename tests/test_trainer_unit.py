@@ -145,3 +145,15 @@ def test_sampler_order_depends_on_seed_and_epoch_only():
     first.set_epoch(1)
     assert list(first) != list(again)
     assert list(RankStridedBatchSampler(20, 4, seed=2)) != list(again)
+
+
+def test_label_smoothing_on_a_causal_lm_shifts_labels(tmp_path):
+    """Token-level custom losses must predict token t+1 from t, as the model's own loss does."""
+    torch.manual_seed(0)
+    gpt = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16)).eval()
+    ids = fixed_batch()["input_ids"]
+    loss = trainer_for(tmp_path, gpt, label_smoothing_factor=0.1).compute_loss(gpt, {"input_ids": ids, "labels": ids})
+    with torch.no_grad():
+        logits = gpt(input_ids=ids).logits[:, :-1].reshape(-1, 50)
+    expected = F.cross_entropy(logits, ids[:, 1:].reshape(-1), label_smoothing=0.1)
+    assert torch.allclose(loss, expected, atol=1e-6)

@@ -34,7 +34,7 @@ class ExtTrainer(Trainer):
     def __init__(self, model=None, args=None, *positional, loss_fn: LossFn | None = None,
                  class_weights=None, optimizer_settings: OptimizerSettings | None = None,
                  scheduler_settings: SchedulerSettings | None = None, **kwargs):
-        self.backend = select_backend(args) if args is not None else select_backend(None)
+        self.backend = select_backend(args)
         if args is not None:
             self.backend.check(args)
         super().__init__(model, args, *positional, **kwargs)
@@ -77,9 +77,11 @@ class ExtTrainer(Trainer):
         if self.loss_fn is not None:
             return self.loss_fn(outputs, labels)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        if logits.dim() > 2:  # token-level: flatten, shifting for causal language models
-            module = self.accelerator.unwrap_model(model)
-            if getattr(getattr(module, "config", None), "is_decoder", False) or "CausalLM" in type(module).__name__:
+        if logits.dim() > 2:  # token-level: flatten, shifting for causal language models (as the Trainer does)
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            module = self.backend.unwrap(self.accelerator.unwrap_model(model))
+            if type(module).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
                 logits, labels = logits[..., :-1, :], labels[..., 1:]
             logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
         weight = None
