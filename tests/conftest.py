@@ -22,7 +22,7 @@ def free_port() -> int:
 
 def run(cmd, timeout=600, env=None, cwd=REPO):
     """Run a real process; return CompletedProcess with text output."""
-    full_env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}  # this process's, not the child's
+    full_env = clean_env()
     full_env.update(PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
                           env=full_env, cwd=cwd)
@@ -47,17 +47,25 @@ class DataParallelWorld:
         return 0
 
 
+def clean_env() -> dict:
+    """This process's environment without the variables that would make a child think it is a rank."""
+    return {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+
+
 @pytest.fixture(scope="session")
 def deepspeed_accepts():
     """Returns check(config, world_size) -> DeepSpeedConfig, parsed by DeepSpeed itself (raises if rejected)."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    saved = {k: os.environ.get(k) for k in DISTRIBUTED_ENV}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
+                      WORLD_SIZE="1")
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    del os.environ["WORLD_SIZE"]  # the translator must not see this test process's world size
+    try:
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    finally:  # later child processes must not inherit a rank from this one
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
 
     def check(config, world_size):
         return DeepSpeedConfig(config, mpu=DataParallelWorld(world_size))

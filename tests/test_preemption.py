@@ -2,8 +2,6 @@
 again continues exactly like an uninterrupted run. Damaged checkpoints are skipped, never resumed."""
 
 import json
-import os
-import shutil
 import signal
 import subprocess
 import time
@@ -12,8 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import (BIN, DISTRIBUTED_ENV, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, assert_same_training,
-                      free_port, launch, logged)
+from conftest import (BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, assert_same_training, clean_env,
+                      free_port)
 from trainer_ext.checkpoint import MARKER, newest_valid_checkpoint, rotate
 
 LAUNCHERS = {
@@ -49,7 +47,7 @@ def command(backend, output_dir):
 def test_sigterm_on_one_rank_then_rerun_equals_uninterrupted(plain_runs, tmp_path, backend):
     """Whichever rank gets SIGTERM, all save the same step; rerunning the same command finishes the same run."""
     output_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    env = clean_env()
     log = open(tmp_path / "first.log", "w")
     first = subprocess.Popen(command(backend, output_dir), stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     target = rank_process(first, rank=1)
@@ -81,7 +79,7 @@ def test_preempted_process_exits_with_143(tmp_path):
     cmd = [PYTHON, GLUE, "--output_dir", tmp_path / "run", *GLUE_COMMON, "--do_train", "--max_steps", 200,
            "--per_device_train_batch_size", 8, "--save_strategy", "no"]
     process = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               cwd=REPO)
+                               cwd=REPO, env=clean_env())
     lines = []
     for line in process.stdout:
         lines.append(line)
@@ -124,7 +122,7 @@ def test_save_total_limit_never_deletes_the_only_valid_checkpoint(tmp_path):
     assert deleted == [tmp_path / "checkpoint-40"]  # the best (10) and the newest (50) stay
 
 
-def test_checkpoint_of_a_different_model_is_refused_before_training(plain_runs, tmp_path):
+def test_checkpoint_of_a_different_model_is_refused_before_training(tmp_path):
     """Resuming another model's checkpoint must fail clearly, and overwrite nothing."""
     run_dir = tmp_path / "run"
     checkpoint = write_checkpoint(run_dir, 5)
@@ -133,12 +131,12 @@ def test_checkpoint_of_a_different_model_is_refused_before_training(plain_runs, 
     before = sorted(p.name for p in checkpoint.iterdir())
     out = subprocess.run([str(c) for c in [PYTHON, GLUE, "--output_dir", run_dir, *GLUE_COMMON, "--do_train",
                                            "--max_steps", 3, "--save_strategy", "no"]],
-                         capture_output=True, text=True, cwd=REPO)
+                         capture_output=True, text=True, cwd=REPO, env=clean_env())
     assert out.returncode != 0
     assert "was written by a different model" in out.stderr and "GPT2LMHeadModel" in out.stderr
     assert "--fresh_start" in out.stderr
     assert sorted(p.name for p in checkpoint.iterdir()) == before
     fresh = subprocess.run([str(c) for c in [PYTHON, GLUE, "--output_dir", run_dir, *GLUE_COMMON, "--do_train",
                                              "--max_steps", 3, "--save_strategy", "no", "--fresh_start"]],
-                           capture_output=True, text=True, cwd=REPO)
+                           capture_output=True, text=True, cwd=REPO, env=clean_env())
     assert fresh.returncode == 0, fresh.stderr[-3000:]

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (ACCUMULATE, BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, assert_same_training, free_port,
-                      launch, logged, max_weight_difference)
+from conftest import (ACCUMULATE, BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, assert_same_training,
+                      clean_env, free_port, launch, logged, max_weight_difference)
 
 @pytest.mark.parametrize("backend", ["ddp", "zero2"])
 def test_same_loss_curve_and_weights_as_one_process(plain_runs, backend):
@@ -73,7 +73,7 @@ def test_zero2_resume_equals_uninterrupted_run(accumulate_runs, tmp_path):
     shutil.copytree(uninterrupted / "checkpoint-6", resumed / "checkpoint-6")
     out = launch("deepspeed", resumed, *ACCUMULATE, "--per_device_train_batch_size", 4, "--deepspeed",
                  "zero2_minimal", "--save_strategy", "no", "--resume_from_checkpoint", "auto")
-    assert "resume_from_checkpoint=auto: " + str(resumed / "checkpoint-6") in out.stdout + out.stderr
+    assert f"resuming from {resumed / 'checkpoint-6'}" in out.stdout + out.stderr
     ours, theirs = logged(uninterrupted), logged(resumed)
     assert sorted(theirs) == list(range(1, 13))  # steps 1-6 come from the checkpoint's trainer state
     assert max(abs(ours[s] - theirs[s]) for s in range(7, 13)) < 1e-5
@@ -93,7 +93,7 @@ def test_zero2_over_two_torchrun_nodes_matches_one_launcher(plain_runs, tmp_path
                "--master_addr", "127.0.0.1", "--master_port", port, GLUE, "--output_dir", output, *GLUE_COMMON,
                *flags]
         nodes.append(subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, cwd=REPO, env=_clean_env()))
+                                      text=True, cwd=REPO, env=clean_env()))
     try:
         logs = [node.communicate(timeout=900)[0] for node in nodes]
     except subprocess.TimeoutExpired:
@@ -103,11 +103,3 @@ def test_zero2_over_two_torchrun_nodes_matches_one_launcher(plain_runs, tmp_path
         pytest.fail("two-node run timed out:\n" + "\n----\n".join(log[-3000:] for log in logs))
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
     assert_same_training(plain_runs / "zero2", output, STEPS)
-
-
-def _clean_env():
-    import os
-
-    from conftest import DISTRIBUTED_ENV
-
-    return {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}

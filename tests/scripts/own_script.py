@@ -1,7 +1,9 @@
 """A user's own training script: stock TrainingArguments and HfArgumentParser, a model built from a config,
-its own loss, ExtTrainer as the only trainer_ext import. Prints the losses it logged."""
+its own loss, ExtTrainer as the only trainer_ext import. Rank 0 writes the losses it logged and its learning
+rate to results.json in output_dir (a file: the launchers merge the ranks' output streams)."""
 
 import json
+from pathlib import Path
 
 import torch
 from transformers import BertConfig, BertForSequenceClassification, HfArgumentParser, TrainingArguments
@@ -27,5 +29,5 @@ def focal_loss(outputs, labels, gamma=2.0):
 trainer = ExtTrainer(model=model, args=args, train_dataset=train, loss_fn=focal_loss)
 trainer.train()
 if trainer.is_world_process_zero():
-    print("LOSSES " + json.dumps([h["loss"] for h in trainer.state.log_history if "loss" in h]))
-    print("LR " + json.dumps(args.learning_rate))
+    results = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "lr": args.learning_rate}
+    (Path(args.output_dir) / "results.json").write_text(json.dumps(results))
