@@ -44,7 +44,7 @@ def test_explain_names_the_source_of_each_field():
 
 def test_bad_input_exits_2_with_message_on_stderr(tmp_path):
     bad = tmp_path / "bad.json"
-    bad.write_text('{"zero_optimization": {"stage": 2,}}')
+    bad.write_text('{"zero_optimization": {"stage": 2}')
     for argv, expected in [
         (["--deepspeed", str(bad)], "line 1, column"),
         (["--deepspeed", "zero2", "--learning_rate", "1e-3", "--world_size", "2", "--num_training_steps", "9"],

@@ -100,10 +100,27 @@ def test_key_at_the_wrong_level_says_where_it_belongs(key, home):
 
 def test_invalid_json_reports_file_line_and_column(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text('{\n  "zero_optimization": {\n    "stage": 2,\n  }\n}\n')
+    path.write_text('{\n  "zero_optimization": {\n    "stage": 2\n  \n}\n')  # a closing brace missing
     with pytest.raises(DeepSpeedConfigError) as info:
         load_deepspeed_config(str(path))
-    assert str(path) in str(info.value) and "line 4" in str(info.value) and "column 3" in str(info.value)
+    assert str(path) in str(info.value) and "line 6" in str(info.value) and "column 1" in str(info.value)
+
+
+def test_comments_and_trailing_commas_are_read_as_deepspeed_reads_them(tmp_path):
+    """DeepSpeed reads config files as HJSON: a file it accepts must not be rejected here."""
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  // ZeRO-2, as on the cluster\n  "zero_optimization": {"stage": 2, "overlap_comm": true,},\n}\n')
+    config, _ = load_deepspeed_config(str(path))
+    assert config == {"zero_optimization": {"stage": 2, "overlap_comm": True}}
+
+
+@pytest.mark.parametrize("text", ['{"train_batch_size": 8, "train_batch_size": 16}',
+                                  '{\n  // comment\n  "fp16": {"enabled": true, "enabled": false},\n}'])
+def test_duplicate_keys_are_refused_naming_the_key(tmp_path, text):
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    with pytest.raises(DeepSpeedConfigError, match="duplicate key '(train_batch_size|enabled)'"):
+        load_deepspeed_config(str(path))
 
 
 def test_invalid_inline_json_reports_line_and_column():

@@ -209,14 +209,46 @@ def load_deepspeed_config(value: Any) -> tuple[dict, str]:
     return config, str(path)
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
 def _parse_json(text: str, origin: str) -> dict:
+    """JSON, or HJSON (comments, trailing commas) as DeepSpeed itself reads config files; duplicate keys refused."""
     try:
-        config = json.loads(text)
+        config = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as err:
+        raise DeepSpeedConfigError([f"duplicate key {err.args[0]!r} in {origin}: DeepSpeed rejects it; keep one"]) from None
     except json.JSONDecodeError as err:
-        raise DeepSpeedConfigError([f"invalid JSON in {origin}, line {err.lineno}, column {err.colno}: {err.msg}"])
+        config = _parse_hjson(text, origin)
+        if config is None:
+            raise DeepSpeedConfigError([f"invalid JSON in {origin}, line {err.lineno}, column {err.colno}: "
+                                        f"{err.msg}"]) from None
     if not isinstance(config, dict):
         raise DeepSpeedConfigError([f"{origin} must hold a JSON object, got {type(config).__name__}"])
     return config
+
+
+def _parse_hjson(text: str, origin: str):
+    try:
+        import hjson  # DeepSpeed's own config reader; optional here
+    except ImportError:
+        return None
+    try:
+        return hjson.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as err:
+        raise DeepSpeedConfigError([f"duplicate key {err.args[0]!r} in {origin}: DeepSpeed rejects it; keep one"]) from None
+    except ValueError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -33,6 +33,7 @@ class PreemptionCallback(TrainerCallback):
         self._previous = {}
 
     def install(self) -> None:
+        self.received = self.signum = 0  # a new train() call starts unsignalled
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
         for signum in SIGNALS:
