@@ -39,6 +39,7 @@ class ExtTrainer(Trainer):
             self.backend.check(args)
         super().__init__(model, args, *positional, **kwargs)
         _check_process_group(self.args)
+        _release_process_group_at_exit()
         self.loss_fn = loss_fn
         weights = class_weights if class_weights is not None else getattr(self.args, "class_weights", None)
         self.class_weights = [float(w) for w in weights] if weights else None
@@ -271,6 +272,24 @@ class ExtTrainer(Trainer):
             if staged.is_dir() and not any(staged.iterdir()):
                 staged.rmdir()
         self.accelerator.wait_for_everyone()
+
+
+_RELEASE_REGISTERED = []
+
+
+def _release_process_group_at_exit() -> None:
+    """Destroy the process group before interpreter teardown: left alive, its C++ threads can abort a rank that
+    already finished ("terminate called without an active exception", exit -6), failing a finished job."""
+    if _RELEASE_REGISTERED:
+        return
+    import atexit
+
+    def release():
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    atexit.register(release)
+    _RELEASE_REGISTERED.append(release)
 
 
 def _check_process_group(args) -> None:
