@@ -1,6 +1,5 @@
 """ExtTrainer pieces checked in one process against hand computations: losses, sampler, optimizer groups."""
 
-import math
 
 import pytest
 import torch
@@ -8,7 +7,6 @@ import torch.nn.functional as F
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
 from trainer_ext import ExtTrainer, ExtTrainingArguments, OptimizerSettings, SchedulerSettings
-from trainer_ext.data.samplers import RankStridedBatchSampler
 
 
 def tiny_bert(num_labels=2):
@@ -118,33 +116,6 @@ def test_settings_from_dict_reject_unknown_keys():
     assert SchedulerSettings.from_dict({"type": "cosine", "warmup_steps": 0.1}).warmup_for(50) == 5
     with pytest.raises(ValueError, match="unknown keys \\['learning_rate'\\]"):
         OptimizerSettings.from_dict({"learning_rate": 1e-3})
-
-
-@pytest.mark.parametrize("num_samples,batch_size,world_size", [(64, 4, 2), (37, 4, 2), (50, 3, 4)])
-def test_ranks_partition_the_single_process_order(num_samples, batch_size, world_size):
-    """Global batch k on N ranks must be batch k of one process with N times the batch."""
-    single = list(RankStridedBatchSampler(num_samples, batch_size * world_size, seed=3))
-    ranks = [list(RankStridedBatchSampler(num_samples, batch_size, rank=r, world_size=world_size, seed=3))
-             for r in range(world_size)]
-    assert len({len(batches) for batches in ranks}) == 1  # same step count on every rank: no hang
-    padded = math.ceil(num_samples / world_size) * world_size
-    order = RankStridedBatchSampler(num_samples, 1, seed=3).global_order()
-    for k, batch in enumerate(single):
-        together = sorted(i for r in range(world_size) for i in ranks[r][k])
-        if (k + 1) * batch_size * world_size <= num_samples:
-            assert together == sorted(batch)
-    seen = [i for r in range(world_size) for batch in ranks[r] for i in batch]
-    assert sorted(seen) == sorted(order + order[: padded - num_samples])
-    assert set(seen) == set(range(num_samples))
-
-
-def test_sampler_order_depends_on_seed_and_epoch_only():
-    first = RankStridedBatchSampler(20, 4, seed=1)
-    again = RankStridedBatchSampler(20, 4, seed=1)
-    assert list(first) == list(again)
-    first.set_epoch(1)
-    assert list(first) != list(again)
-    assert list(RankStridedBatchSampler(20, 4, seed=2)) != list(again)
 
 
 def test_label_smoothing_on_a_causal_lm_shifts_labels(tmp_path):

@@ -14,6 +14,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 MARKER = "checkpoint_complete.json"
+DATA_STATE = "data_state.json"  # where the training order stands (samples consumed); see data/samplers.py
 STAGING = ".staging"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -61,6 +62,12 @@ def newest_valid_checkpoint(output_dir) -> Path | None:
             return path
         logger.warning("skipping checkpoint %s: %s", path, problem)
     return None
+
+
+def read_data_state(checkpoint) -> dict | None:
+    """The saved position in the training order, or None for checkpoints written without it (stock transformers)."""
+    path = Path(checkpoint) / DATA_STATE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def staging_dir(output_dir) -> Path:

@@ -3,6 +3,7 @@ custom losses without subclassing, and the backend chosen once at construction."
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Callable
@@ -12,9 +13,9 @@ import torch.nn.functional as F
 from transformers import Trainer
 
 from .backends import select_backend
-from .checkpoint import (check_compatible, model_fingerprint, newest_valid_checkpoint, problem_with, publish, rotate,
-                         staging_dir)
-from .data.samplers import RankStridedBatchSampler
+from .checkpoint import (DATA_STATE, check_compatible, model_fingerprint, newest_valid_checkpoint, problem_with,
+                         publish, read_data_state, rotate, staging_dir)
+from .data.samplers import ResumableBatchSampler
 from .preemption import Preempted, PreemptionCallback
 from .settings import OptimizerSettings, SchedulerSettings
 
@@ -47,6 +48,8 @@ class ExtTrainer(Trainer):
         self.scheduler_settings = scheduler_settings or SchedulerSettings.from_args(self.args)
         self._model_uses_num_items = None  # decided on the first labelled batch
         self._staging = None  # set while a checkpoint is being written
+        self._train_batch_sampler = None  # the training order; its position is saved with every checkpoint
+        self._resume_data_state = None  # that position, read from the checkpoint being resumed
         self.preemption = PreemptionCallback()
         self.add_callback(self.preemption)
 
@@ -145,16 +148,30 @@ class ExtTrainer(Trainer):
 
     # -- data ------------------------------------------------------------------------------------------
     def get_train_dataloader(self):
-        """Rank r trains on samples r, r+N, ... of one seeded order: the same global batches on every backend."""
+        """One seeded stream of samples, cut into the same global batches on every backend and world size, and
+        continued after a resume at the sample where the checkpoint stopped (see data/samplers.py)."""
         if self.train_dataset is None:
             raise ValueError("ExtTrainer: training requires a train_dataset")
         args = self.args
-        batch_sampler = RankStridedBatchSampler(
+        batch_sampler = ResumableBatchSampler(
             len(self.train_dataset), self._train_batch_size, rank=args.process_index, world_size=args.world_size,
-            seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last)
+            seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
+            gradient_accumulation_steps=args.gradient_accumulation_steps)
+        if self._resume_data_state is not None:
+            for warning in batch_sampler.load_state_dict(self._resume_data_state):
+                if self.is_world_process_zero():
+                    logger.warning("resuming: %s", warning)
+        self._train_batch_sampler = batch_sampler
         dataloader = _dataloader_with_batch_sampler(self, self.train_dataset, "training", batch_sampler)
         _unshard(dataloader, batch_sampler)
         return dataloader
+
+    def _init_training_state(self, *args, **kwargs):
+        epochs_trained, steps_trained_in_current_epoch = super()._init_training_state(*args, **kwargs)
+        # The Trainer skips the resumed epoch's first batches through a wrapper that hides set_epoch from us.
+        if self._train_batch_sampler is not None:
+            self._train_batch_sampler.set_epoch(epochs_trained)
+        return epochs_trained, steps_trained_in_current_epoch
 
     def _get_eval_sampler(self, eval_dataset):
         # Dataset order: accelerate shards it in whole batches and gather_for_metrics drops the padding.
@@ -211,6 +228,8 @@ class ExtTrainer(Trainer):
         in output_dir is used, unless --fresh_start. A SIGTERM/SIGINT ends the run after a checkpoint, with
         `Preempted` (exit status 128 + signal); running the same command again continues exactly."""
         checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
+        self._resume_data_state = (read_data_state(checkpoint) if checkpoint and not self.args.ignore_data_skip
+                                   else None)
         self.preemption.install()
         try:
             result = super().train(resume_from_checkpoint=checkpoint, **kwargs)
@@ -260,6 +279,9 @@ class ExtTrainer(Trainer):
         self.accelerator.wait_for_everyone()  # every rank has written its part
         if self.args.should_save:
             name = f"checkpoint-{self.state.global_step}"
+            if self._train_batch_sampler is not None:
+                state = self._train_batch_sampler.state_dict(self.state.global_step)
+                (staged / name / DATA_STATE).write_text(json.dumps(state, indent=2) + "\n")
             module = self.backend.unwrap(self.accelerator.unwrap_model(self.model))
             info = {"step": self.state.global_step, "world_size": self.args.world_size,
                     "backend": self.backend.describe(), "model": model_fingerprint(module)}

@@ -1,5 +1,13 @@
-"""Rank-strided batch sampler: one shuffled global order per (seed, epoch); rank r trains on samples r, r+N, ...
-so every backend and every world size sees the same global batches."""
+"""The training order as a resumable chain: shuffle (seed + data epoch) -> repeat -> shard by rank -> batch -> skip,
+so every backend, world size and restart trains on the same global batches.
+
+The repeated, shuffled dataset is one endless stream of sample indices; global optimizer step k trains on stream
+positions [offset + k·G, offset + (k+1)·G) where G = per-device batch × accumulation × world size. Rank r takes
+positions r, r+N, r+2N, ... of that range (shard after the repeat, so no rank ever needs padding), cut into
+micro-batches. Where a restart continues is then one number, the samples consumed, whatever G and N were before.
+The skip comes last and works on these index batches (accelerate's `skip_first_batches` over this sampler, as the
+Trainer calls it): skipped samples are never loaded or tokenized.
+"""
 
 from __future__ import annotations
 
@@ -8,42 +16,96 @@ import math
 import torch
 
 
-class RankStridedBatchSampler(torch.utils.data.Sampler):
-    """Batches of this rank's share of a seeded permutation.
+class ResumableBatchSampler(torch.utils.data.Sampler):
+    """Batches of sample indices for one rank; `set_epoch` picks the Trainer's epoch, `state_dict` / `load_state_dict`
+    carry the position in the stream across restarts (also with another world size or global batch).
 
-    The permutation is padded (by wrapping around) to a multiple of the world size so every rank yields the
-    same number of batches; with `batch_size × world_size` dividing the dataset there is no padding at all and
-    global batch k is exactly samples [k·B·N, (k+1)·B·N) of the permutation, as in a single process with B·N."""
+    A Trainer epoch is `ceil(len(dataset) / G)` optimizer steps (`floor` with drop_last): every sample is seen once
+    per epoch, and the last global batch is completed from the next shuffle of the stream rather than padded."""
 
     def __init__(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = False):
+                 shuffle: bool = True, drop_last: bool = False, gradient_accumulation_steps: int = 1):
         if num_samples <= 0:
             raise ValueError("the training set is empty")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.num_samples, self.batch_size = num_samples, batch_size
         self.rank, self.world_size = rank, world_size
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.gradient_accumulation_steps = gradient_accumulation_steps
         self.epoch = 0
+        self.offset = 0  # stream position of optimizer step 0 (non-zero after resuming with another global batch)
+        self._orders: dict[int, list[int]] = {}
+
+    # -- the chain -------------------------------------------------------------------------------------
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.gradient_accumulation_steps * self.world_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        rounding = math.floor if self.drop_last else math.ceil
+        return max(1, rounding(self.num_samples / self.global_batch_size))
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def global_order(self) -> list[int]:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=generator).tolist()
-        else:
-            order = list(range(self.num_samples))
-        padded = math.ceil(self.num_samples / self.world_size) * self.world_size
-        return order + order[: padded - self.num_samples]
+    def data_order(self, data_epoch: int) -> list[int]:
+        """Shuffle: one permutation of the dataset per pass over it, from seed + pass number."""
+        if data_epoch not in self._orders:
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed + data_epoch)
+                order = torch.randperm(self.num_samples, generator=generator).tolist()
+            else:
+                order = list(range(self.num_samples))
+            self._orders = {k: v for k, v in self._orders.items() if k >= data_epoch - 1}  # keep the cache small
+            self._orders[data_epoch] = order
+        return self._orders[data_epoch]
+
+    def sample_at(self, position: int) -> int:
+        """Repeat: stream position -> dataset index (pass `position // len`, place `position % len`). Positions before
+        0 only occur in batches skipped after a resume with a larger global batch."""
+        return self.data_order(position // self.num_samples)[position % self.num_samples]
+
+    def micro_batch(self, epoch: int, index: int) -> list[int]:
+        """Shard + batch: micro-batch `index` of this rank in Trainer epoch `epoch`."""
+        start = self.step_position(epoch * self.steps_per_epoch) + index * self.batch_size * self.world_size
+        return [self.sample_at(start + self.rank + self.world_size * i) for i in range(self.batch_size)]
+
+    def step_position(self, global_step: int) -> int:
+        """Samples consumed (stream position) before optimizer step `global_step` of this run."""
+        return self.offset + global_step * self.global_batch_size
 
     def __iter__(self):
-        mine = self.global_order()[self.rank::self.world_size]
-        for start in range(0, len(mine), self.batch_size):
-            batch = mine[start:start + self.batch_size]
-            if len(batch) < self.batch_size and self.drop_last:
-                return
-            yield batch
+        for index in range(len(self)):
+            yield self.micro_batch(self.epoch, index)
 
     def __len__(self) -> int:
-        per_rank = math.ceil(self.num_samples / self.world_size)
-        return per_rank // self.batch_size if self.drop_last else math.ceil(per_rank / self.batch_size)
+        return self.steps_per_epoch * self.gradient_accumulation_steps
+
+    # -- state -----------------------------------------------------------------------------------------
+    def state_dict(self, global_step: int) -> dict:
+        """Where training stands after `global_step` optimizer steps."""
+        return {"global_step": global_step, "samples_consumed": self.step_position(global_step),
+                "global_batch_size": self.global_batch_size,
+                "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle,
+                "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict) -> list[str]:
+        """Continue at `state["samples_consumed"]` from optimizer step `state["global_step"]`; returns warnings for changes
+        that alter the run (they never repeat or drop a sample of the stream; a changed order or size would)."""
+        problems = [f"{key} changed from {state[key]} to {getattr(self, key)}"
+                    for key in ("num_samples", "seed", "shuffle") if key in state and state[key] != getattr(self, key)]
+        if problems:
+            raise ValueError("cannot continue the training order of the checkpoint: " + "; ".join(problems) +
+                             ". Resume with the same dataset, --seed/--data_seed and shuffling, or pass "
+                             "--ignore_data_skip to restart the order (samples may repeat), or --fresh_start")
+        self.offset = int(state["samples_consumed"]) - int(state["global_step"]) * self.global_batch_size
+        warnings = []
+        if state.get("global_batch_size", self.global_batch_size) != self.global_batch_size:
+            warnings.append(
+                f"the global batch changed from {state['global_batch_size']} to {self.global_batch_size} (per-device "
+                "batch x accumulation x world size): training continues at sample "
+                f"{state['samples_consumed']} of the same order, none repeated or dropped; from here on steps, "
+                "epochs and the learning-rate schedule count batches of the new size")
+        return warnings

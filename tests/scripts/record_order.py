@@ -1,0 +1,42 @@
+"""Trains a tiny BERT with ExtTrainer on a dataset that records every sample it is asked for: each rank appends
+the indices it loads to RECORD_DIR/rank{R}.txt, so a test can compare the order a resumed run trains on with an
+uninterrupted one, and see that skipped samples are never loaded."""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from trainer_ext import ExtArgumentParser, ExtTrainer, ExtTrainingArguments  # noqa: E402
+
+NUM_SAMPLES = 100  # not a multiple of the global batch: epochs end mid-batch
+
+
+class RecordingDataset(torch.utils.data.Dataset):
+    def __init__(self, path: Path):
+        generator = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(1, 64, (NUM_SAMPLES, 8), generator=generator)
+        self.labels = (self.ids[:, 0] > 32).long()
+        self.log = open(path, "a")
+
+    def __len__(self):
+        return NUM_SAMPLES
+
+    def __getitem__(self, index):
+        self.log.write(f"{index}\n")
+        self.log.flush()
+        return {"input_ids": self.ids[index], "labels": self.labels[index]}
+
+
+(args,) = ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses()
+record_dir = Path(os.environ["RECORD_DIR"])
+record_dir.mkdir(parents=True, exist_ok=True)
+torch.manual_seed(0)
+config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                    num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+trainer = ExtTrainer(model=BertForSequenceClassification(config), args=args,
+                     train_dataset=RecordingDataset(record_dir / f"rank{args.process_index}.txt"))
+trainer.train()

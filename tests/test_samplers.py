@@ -1,0 +1,103 @@
+"""The training order: shuffle -> repeat -> shard -> batch, and its state across restarts (same or other world
+size, same or other global batch)."""
+
+import pytest
+
+from trainer_ext.data.samplers import ResumableBatchSampler
+
+
+def steps(num_samples, batch_size, world_size=1, accumulation=1, seed=3, epochs=1, state=None, first_step=0):
+    """The sets of samples of each optimizer step, all ranks together, from `first_step` (as the Trainer iterates)."""
+    samplers = [ResumableBatchSampler(num_samples, batch_size, rank=r, world_size=world_size, seed=seed,
+                                      gradient_accumulation_steps=accumulation) for r in range(world_size)]
+    for sampler in samplers:
+        if state is not None:
+            sampler.load_state_dict(state)
+    per_epoch = samplers[0].steps_per_epoch
+    result = []
+    for step in range(first_step, epochs * per_epoch):
+        epoch, index = divmod(step, per_epoch)
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        batches = [[sampler.micro_batch(epoch, index * accumulation + m) for m in range(accumulation)]
+                   for sampler in samplers]
+        result.append(sorted(i for rank in batches for micro in rank for i in micro))
+    return result, samplers[0]
+
+
+@pytest.mark.parametrize("batch_size,world_size,accumulation", [(8, 2, 1), (4, 2, 2), (2, 4, 2), (16, 1, 1),
+                                                                 (8, 1, 2)])
+def test_every_split_of_a_global_batch_trains_the_same_samples(batch_size, world_size, accumulation):
+    """Global batch k holds the same samples whatever the per-device batch, accumulation and world size."""
+    reference, _ = steps(37, 16, epochs=3)
+    split, _ = steps(37, batch_size, world_size, accumulation, epochs=3)
+    assert split == reference
+
+
+def test_each_pass_over_the_data_is_a_permutation_and_the_stream_needs_no_padding():
+    """Every sample once per pass; the last global batch of an epoch continues into the next pass."""
+    sampler = ResumableBatchSampler(37, 4, world_size=2, seed=5)
+    stream = [sampler.sample_at(p) for p in range(3 * 37)]
+    for data_pass in range(3):
+        assert sorted(stream[37 * data_pass:37 * (data_pass + 1)]) == list(range(37))
+    assert stream[:37] != stream[37:74]  # a new shuffle per pass
+    assert sampler.steps_per_epoch == 5 and len(sampler) == 5  # ceil(37 / 8)
+    ranks = [ResumableBatchSampler(37, 4, rank=r, world_size=2, seed=5) for r in range(2)]
+    flat = [i for k in range(5) for rank in ranks for i in rank.micro_batch(0, k)]
+    assert sorted(flat) == sorted(stream[:40])  # 37 samples + 3 from the next pass: nothing padded, none dropped
+
+
+def test_drop_last_makes_an_epoch_the_whole_global_batches():
+    sampler = ResumableBatchSampler(37, 4, world_size=2, drop_last=True)
+    assert sampler.steps_per_epoch == 4 and len(sampler) == 4
+
+
+def test_resuming_continues_the_uninterrupted_order_exactly():
+    """Restart at step 7 (in the second epoch): the following batches are those of the uninterrupted run."""
+    uninterrupted, sampler = steps(37, 4, world_size=2, accumulation=2, epochs=4)
+    saved = sampler.state_dict(7)
+    assert saved["samples_consumed"] == 7 * 16
+    resumed, _ = steps(37, 4, world_size=2, accumulation=2, epochs=4, state=saved, first_step=7)
+    assert resumed == uninterrupted[7:]
+
+
+@pytest.mark.parametrize("batch_size,world_size", [(16, 1), (4, 4)])
+def test_resuming_on_another_world_size_with_the_same_global_batch(batch_size, world_size):
+    uninterrupted, sampler = steps(37, 8, world_size=2, epochs=4)
+    resumed, _ = steps(37, batch_size, world_size, epochs=4, state=sampler.state_dict(6), first_step=6)
+    assert resumed == uninterrupted[6:]
+
+
+@pytest.mark.parametrize("new_batch,new_world", [(16, 2), (2, 2), (12, 1)])
+def test_a_changed_global_batch_repeats_and_drops_no_sample(new_batch, new_world):
+    """Old steps then new steps cover the stream's positions 0..M exactly once, in the same order of batches."""
+    old_steps, old = steps(37, 8, world_size=2, epochs=3)
+    saved = old.state_dict(5)  # 80 samples consumed
+    new = ResumableBatchSampler(37, new_batch, world_size=new_world, seed=3)
+    warnings = new.load_state_dict(saved)
+    assert len(warnings) == 1 and "global batch changed from 16 to" in warnings[0] and "none repeated" in warnings[0]
+    new_steps, _ = steps(37, new_batch, new_world, epochs=12, state=saved, first_step=5)
+    trained = [i for step in old_steps[:5] for i in step] + [i for step in new_steps[:6] for i in step]
+    reference = ResumableBatchSampler(37, 1, seed=3)
+    assert sorted(trained) == sorted(reference.sample_at(p) for p in range(len(trained)))
+    position = 80
+    for step in new_steps[:6]:  # each new global batch is the next slice of the stream
+        assert step == sorted(reference.sample_at(p) for p in range(position, position + len(step)))
+        position += len(step)
+
+
+def test_a_changed_dataset_or_seed_is_refused_with_the_way_out():
+    saved = ResumableBatchSampler(37, 8, seed=3).state_dict(2)
+    with pytest.raises(ValueError, match=r"num_samples changed from 37 to 40.*--ignore_data_skip"):
+        ResumableBatchSampler(40, 8, seed=3).load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"seed changed from 3 to 4"):
+        ResumableBatchSampler(37, 8, seed=4).load_state_dict(saved)
+
+
+def test_iteration_yields_the_epoch_set_by_set_epoch():
+    sampler = ResumableBatchSampler(20, 4, seed=1)
+    first = list(sampler)
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+    sampler.set_epoch(0)
+    assert list(sampler) == first == [sampler.micro_batch(0, k) for k in range(5)]
