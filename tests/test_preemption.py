@@ -2,6 +2,7 @@
 again continues exactly like an uninterrupted run. Damaged checkpoints are skipped, never resumed."""
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -140,3 +141,55 @@ def test_checkpoint_of_a_different_model_is_refused_before_training(tmp_path):
                                              "--max_steps", 3, "--save_strategy", "no", "--fresh_start"]],
                            capture_output=True, text=True, cwd=REPO, env=clean_env())
     assert fresh.returncode == 0, fresh.stderr[-3000:]
+
+
+def record_order_command(launcher, output_dir, *flags):
+    from conftest import ORDER_COMMON, RECORD_ORDER
+
+    starts = {"torchrun": [BIN / "torchrun", "--nproc_per_node", 2, "--master_port", free_port()],
+              "deepspeed": [BIN / "deepspeed", "--num_gpus", 2, "--master_port", free_port()]}
+    backend = ["--deepspeed", "zero2_minimal"] if launcher == "deepspeed" else []
+    return [str(c) for c in [*starts[launcher], RECORD_ORDER, "--output_dir", output_dir, *ORDER_COMMON,
+                             "--per_device_train_batch_size", 8, *backend, *flags]]
+
+
+@pytest.mark.parametrize("launcher,target", [("torchrun", "launcher"), ("deepspeed", "process group")])
+def test_sigterm_to_the_launcher_checkpoints_and_the_rerun_continues(uninterrupted, tmp_path, launcher, target):
+    """What a scheduler does on preemption: SIGTERM to the launcher (torchrun forwards it to the ranks) or to the
+    job's process group (the `deepspeed` runner does not forward it on one node); the ranks checkpoint, exit."""
+    from conftest import loaded
+
+    output_dir, records = tmp_path / "run", tmp_path / "first"
+    env = {**clean_env(), "RECORD_DIR": str(records), "PYTHONUNBUFFERED": "1"}
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(record_order_command(launcher, output_dir, "--max_steps", 500, "--save_steps", 1000),
+                                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+        deadline = time.time() + 600
+        while time.time() < deadline and not ((records / "rank1.txt").is_file() and
+                                              len((records / "rank1.txt").read_text().split()) >= 24):
+            time.sleep(0.2)  # a few steps trained on both ranks (accelerate loads one batch ahead)
+        if target == "launcher":
+            first.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(first.pid, signal.SIGTERM)
+        first.wait(timeout=300)
+        deadline = time.time() + 300
+        while time.time() < deadline:  # the `deepspeed` runner exits at once; its ranks are still saving
+            try:
+                os.killpg(first.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.5)
+    text = (tmp_path / "first.log").read_text()
+    saved = newest_valid_checkpoint(output_dir)
+    assert saved is not None and "preempted: checkpoint" in text, text[-4000:]
+    step = int(saved.name.split("-")[1])
+    assert 1 <= step < 500
+    again = subprocess.run(record_order_command(launcher, output_dir, "--max_steps", step + 2),
+                           capture_output=True, text=True, cwd=REPO, timeout=600,
+                           env={**env, "RECORD_DIR": str(tmp_path / "second")})
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert f"resuming from {saved}" in again.stdout + again.stderr
+    if step + 2 <= 14:  # the recorded uninterrupted order covers 14 steps
+        for rank in range(2):
+            assert loaded(tmp_path / "second", rank)[:16] == loaded(uninterrupted / "indices", rank)[step * 8:][:16]

@@ -5,23 +5,7 @@ import shutil
 
 import pytest
 
-from conftest import BIN, PYTHON, REPO, free_port, run
-
-SCRIPT = REPO / "tests" / "scripts" / "record_order.py"
-COMMON = ["--report_to", "none", "--disable_tqdm", "true", "--seed", "5", "--logging_steps", "1",
-          "--learning_rate", "1e-3", "--save_strategy", "steps", "--save_steps", 4]
-
-
-def train(output_dir, record_dir, batch_size, ranks=1, *flags):
-    launcher = [PYTHON] if ranks == 1 else [BIN / "torchrun", "--nproc_per_node", ranks, "--master_port", free_port()]
-    out = run([*launcher, SCRIPT, "--output_dir", output_dir, *COMMON, "--per_device_train_batch_size", batch_size,
-               *flags], env={"RECORD_DIR": str(record_dir)})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return out
-
-
-def loaded(record_dir, rank):
-    return [int(line) for line in (record_dir / f"rank{rank}.txt").read_text().split()]
+from conftest import loaded, train
 
 
 def global_steps(record_dir, batch_size, ranks):
@@ -31,14 +15,6 @@ def global_steps(record_dir, batch_size, ranks):
     assert all(len(indices) == count * batch_size for indices in per_rank)
     return [sorted(i for indices in per_rank for i in indices[k * batch_size:(k + 1) * batch_size])
             for k in range(count)]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """2 ranks x 8 = 16 per step, 14 steps over a 100-sample set: 7 steps per epoch, checkpoints every 4 steps."""
-    root = tmp_path_factory.mktemp("order")
-    train(root / "run", root / "indices", 8, 2, "--max_steps", 14)
-    return root
 
 
 def resume_from(uninterrupted, step, tmp_path):

@@ -14,7 +14,8 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from .deepspeed_config import DeepSpeedConfigError, load_deepspeed_config, resolve_deepspeed_config
 from .options import (FP16_BACKENDS, FP16_OPT_LEVELS, SHARDED_DDP_OPTIONS, ArgumentsError, check_fp16_backend,
-                      check_fp16_device, check_sharded_ddp_machine, merge_warmup_ratio, parse_class_weights, parse_sharded_ddp)
+                      check_fp16_device, check_sharded_ddp_machine, merge_warmup_ratio, parse_class_weights,
+                      parse_sharded_ddp, parse_storage_options)
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +54,21 @@ class ExtTrainingArguments(TrainingArguments):
     class_weights: str | None = field(
         default=None, metadata={"help": "Classification loss weight per class, comma separated, e.g. 1.0,3.0."}
     )
+    checkpoint_uri: str | None = field(
+        default=None, metadata={"help": "Copy every complete checkpoint here (any fsspec URL: s3://bucket/prefix, "
+                                        "gs://..., a local path); start from the newest one when output_dir has none."}
+    )
+    checkpoint_storage_options: str | None = field(
+        default=None, metadata={"help": "fsspec options for --checkpoint_uri as JSON, e.g. "
+                                        '\'{"endpoint_url": "http://127.0.0.1:9000"}\'.'}
+    )
 
     def __post_init__(self):
         self.sharded_ddp = parse_sharded_ddp(self.sharded_ddp)
         check_fp16_backend(self.fp16_backend, self.fp16_opt_level)
         self.warmup_steps = merge_warmup_ratio(self.warmup_steps, self.warmup_ratio)
         self.class_weights = parse_class_weights(self.class_weights)
+        self.checkpoint_storage_options = parse_storage_options(self.checkpoint_storage_options)
         if self.sharded_ddp and self.deepspeed:
             raise ArgumentsError(f"--sharded_ddp {' '.join(self.sharded_ddp)} and --deepspeed both choose a "
                                  "backend: give only one of them")

@@ -278,8 +278,11 @@ def warmup_steps_for(args: Any, num_training_steps: int | None) -> int | None:
     """transformers' rule: warmup_steps >= 1 is a step count, < 1 a ratio of the total steps."""
     warmup = flag_value(args, "warmup_steps") or 0
     ratio = flag_value(args, "warmup_ratio") or 0
-    if ratio and not warmup:
-        warmup = ratio
+    return warmup_steps(ratio if ratio and not warmup else warmup, num_training_steps)
+
+
+def warmup_steps(warmup: float, num_training_steps: int | None) -> int | None:
+    """A warmup of >= 1 is a step count, of < 1 a ratio of the total (None while the total is unknown)."""
     if warmup >= 1:
         return int(warmup)
     if warmup == 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 
 SHARDED_DDP_OPTIONS = ("simple", "zero_dp_2", "zero_dp_3", "offload")
 FP16_BACKENDS = ("auto", "amp", "apex")
@@ -94,3 +95,19 @@ def parse_class_weights(value) -> list[float] | None:
     if len(weights) < 2 or any(w <= 0 for w in weights):
         raise ArgumentsError(f"--class_weights {value!r}: need one positive weight per class (at least two)")
     return weights
+
+
+def parse_storage_options(text: str | dict | None) -> dict:
+    """--checkpoint_storage_options: a JSON object of fsspec options (a dict from Python)."""
+    if isinstance(text, dict):
+        return dict(text)
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except ValueError as err:
+        raise ArgumentsError(f"--checkpoint_storage_options {text!r} is not JSON ({err}); e.g. "
+                             '\'{"endpoint_url": "http://127.0.0.1:9000"}\'') from None
+    if not isinstance(options, dict):
+        raise ArgumentsError(f"--checkpoint_storage_options {text!r} must be a JSON object")
+    return options

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 
 import torch
 from transformers import TrainerCallback
@@ -13,6 +14,7 @@ from transformers import TrainerCallback
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+ABORT_AFTER_S = 2.0  # a launcher forwards Ctrl-C within this time; a second Ctrl-C from a person comes later
 
 
 class Preempted(SystemExit):
@@ -30,6 +32,7 @@ class PreemptionCallback(TrainerCallback):
     def __init__(self):
         self.received = 0
         self.signum = 0
+        self._first_at = 0.0
         self._previous = {}
 
     def install(self) -> None:
@@ -45,11 +48,15 @@ class PreemptionCallback(TrainerCallback):
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
-        if self.received:  # a second signal: the user means it, let the default behaviour happen
-            self.uninstall()
-            signal.raise_signal(signum)
+        if self.received:
+            # Repeated SIGTERMs are the same preemption (a signalled process group plus a launcher forwarding
+            # it); a second Ctrl-C, a person who means it, aborts at once.
+            if signum == signal.SIGINT and time.monotonic() - self._first_at > ABORT_AFTER_S:
+                self.uninstall()
+                signal.raise_signal(signum)
             return
         self.received = signum
+        self._first_at = time.monotonic()
         logger.warning("received %s: finishing this step, then saving a checkpoint",
                        signal.Signals(signum).name)
 

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .deepspeed_config import warmup_steps
+
 
 def _from_mapping(cls, values: dict):
     known = {f.name for f in dataclasses.fields(cls)}
@@ -63,5 +65,4 @@ class SchedulerSettings:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def warmup_for(self, num_training_steps: int) -> int:
-        import math
-        return int(self.warmup_steps) if self.warmup_steps >= 1 else math.ceil(num_training_steps * self.warmup_steps)
+        return warmup_steps(self.warmup_steps, num_training_steps)

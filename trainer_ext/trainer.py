@@ -50,6 +50,7 @@ class ExtTrainer(Trainer):
         self._staging = None  # set while a checkpoint is being written
         self._train_batch_sampler = None  # the training order; its position is saved with every checkpoint
         self._resume_data_state = None  # that position, read from the checkpoint being resumed
+        self.remote = None  # --checkpoint_uri
         self.preemption = PreemptionCallback()
         self.add_callback(self.preemption)
 
@@ -227,6 +228,7 @@ class ExtTrainer(Trainer):
         """Resumes by default: with no `resume_from_checkpoint` (or "auto"/True) the newest complete checkpoint
         in output_dir is used, unless --fresh_start. A SIGTERM/SIGINT ends the run after a checkpoint, with
         `Preempted` (exit status 128 + signal); running the same command again continues exactly."""
+        self.remote = self._remote_checkpoints()
         checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
         self._resume_data_state = (read_data_state(checkpoint) if checkpoint and not self.args.ignore_data_skip
                                    else None)
@@ -235,6 +237,8 @@ class ExtTrainer(Trainer):
             result = super().train(resume_from_checkpoint=checkpoint, **kwargs)
         finally:
             self.preemption.uninstall()
+            if self.remote is not None:
+                self.remote.wait()  # a preempted run's last checkpoint too
         if self.preemption.signum:
             saved = newest_valid_checkpoint(self.args.output_dir)
             logger.warning("preempted: checkpoint %s written; run the same command again to resume", saved)
@@ -244,11 +248,28 @@ class ExtTrainer(Trainer):
             self.backend.save_resolved_config(self.args.output_dir)
         return result
 
+    def _remote_checkpoints(self):
+        """--checkpoint_uri, checked (write, list, read) by the process that saves, before anything trains."""
+        uri = getattr(self.args, "checkpoint_uri", None)
+        if not uri:
+            return None
+        from .remote import RemoteCheckpoints
+
+        remote = RemoteCheckpoints(uri, getattr(self.args, "checkpoint_storage_options", None))
+        if self.args.should_save:
+            remote.check()
+        return remote
+
     def _checkpoint_to_resume(self, requested):
         if requested in (None, "auto", True):
             if requested is None and getattr(self.args, "fresh_start", False):
                 return None
             found = newest_valid_checkpoint(self.args.output_dir)
+            if found is None and self.remote is not None:
+                if self.args.should_save:
+                    self.remote.download_newest(self.args.output_dir)
+                self.accelerator.wait_for_everyone()
+                found = newest_valid_checkpoint(self.args.output_dir)
             if self.is_world_process_zero():
                 logger.warning("resuming from %s (pass --fresh_start to start over)" if found else
                                "no complete checkpoint in %s: starting from scratch", found or self.args.output_dir)
@@ -289,8 +310,11 @@ class ExtTrainer(Trainer):
             best = self.state.best_model_checkpoint
             if best and Path(best).parent == staged:
                 self.state.best_model_checkpoint = str(final)
-            rotate(run_dir, self.args.save_total_limit, keep=Path(self.state.best_model_checkpoint)
-                   if self.state.best_model_checkpoint else None)
+            deleted = rotate(run_dir, self.args.save_total_limit, keep=Path(self.state.best_model_checkpoint)
+                             if self.state.best_model_checkpoint else None)
+            if self.remote is not None:  # in the background: the next step does not wait for the copy
+                self.remote.upload(final)
+                self.remote.delete([path.name for path in deleted])
             if staged.is_dir() and not any(staged.iterdir()):
                 staged.rmdir()
         self.accelerator.wait_for_everyone()

@@ -1,6 +1,6 @@
 """Trains a tiny BERT with ExtTrainer on a dataset that records every sample it is asked for: each rank appends
 the indices it loads to RECORD_DIR/rank{R}.txt, so a test can compare the order a resumed run trains on with an
-uninterrupted one, and see that skipped samples are never loaded."""
+uninterrupted one, and see that skipped samples are never loaded. The final model goes to output_dir."""
 
 import os
 import sys
@@ -40,3 +40,4 @@ config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_atte
 trainer = ExtTrainer(model=BertForSequenceClassification(config), args=args,
                      train_dataset=RecordingDataset(record_dir / f"rank{args.process_index}.txt"))
 trainer.train()
+trainer.save_model()
