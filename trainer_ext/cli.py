@@ -11,6 +11,10 @@ commands:
   ds-config   print the complete DeepSpeed config for a file and TrainingArguments flags
               trainer-ext ds-config --deepspeed FILE|PRESET [flags] [--world_size N]
                                     [--num_training_steps N] [--hidden_size N] [--explain]
+  train       validate an experiment file, then train it (task, hyperparameters, data, backend)
+              trainer-ext train experiment.yaml [--check]
+              on N ranks: torchrun --nproc_per_node N -m trainer_ext train experiment.yaml
+                          deepspeed --num_gpus N --module trainer_ext train experiment.yaml
 """
 
 
@@ -41,7 +45,36 @@ def ds_config(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"ds-config": ds_config}
+def train(argv: list[str]) -> int:
+    import argparse
+    import logging
+
+    from .experiment import ExperimentError, load_experiment
+
+    parser = argparse.ArgumentParser(prog="trainer-ext train", allow_abbrev=False,
+                                     description="Validate an experiment file, then train it.")
+    parser.add_argument("experiment", help="YAML file with task, hyperparameters, data and a backend")
+    parser.add_argument("--check", action="store_true", help="validate only: print the resolved arguments")
+    # The launchers pass the rank as a flag (torch.distributed.launch, deepspeed); it is also in LOCAL_RANK.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+    try:
+        experiment = load_experiment(args.experiment)
+    except ExperimentError as err:
+        print(f"trainer-ext train: error: {err}\nnothing was trained", file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"task: {experiment.task}\nmodel: {experiment.model_args}\ndata: {experiment.data_args}")
+        print(f"training: output_dir={experiment.training_args.output_dir}")
+        return 0
+    metrics = experiment.run()
+    if experiment.training_args.process_index == 0:
+        print(json.dumps(metrics, indent=2, default=str))
+    return 0
+
+
+COMMANDS = {"ds-config": ds_config, "train": train}
 
 
 def main(argv: list[str] | None = None) -> int:

