@@ -15,6 +15,9 @@ commands:
               trainer-ext train experiment.yaml [--check]
               on N ranks: torchrun --nproc_per_node N -m trainer_ext train experiment.yaml
                           deepspeed --num_gpus N --module trainer_ext train experiment.yaml
+  plan        predict per-rank memory of every backend and name the cheapest that fits a device
+              trainer-ext plan --model PATH|--num_parameters N --world_size N [--fp16|--bf16] [--offload]
+                               [--per_device_train_batch_size N] [--max_seq_length N] [--device_memory 16GB]
 """
 
 
@@ -74,7 +77,51 @@ def train(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"ds-config": ds_config, "train": train}
+
+
+def plan(argv: list[str]) -> int:
+    import argparse
+
+    from .planner import PlanError, ModelSize, model_size, parse_bytes, parse_count, plan as make_plan, render
+
+    parser = argparse.ArgumentParser(prog="trainer-ext plan", description="Predict per-rank training memory of "
+                                     "every backend from the model's parameter count.")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="model folder (.safetensors weights or config.json), config.json or .safetensors")
+    what.add_argument("--num_parameters", help="parameter count instead of a model (22713216, 350M, 7e9)")
+    parser.add_argument("--world_size", type=int, required=True, help="data-parallel ranks")
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", action="store_true", help="mixed precision with fp16")
+    precision.add_argument("--bf16", action="store_true", help="mixed precision with bf16")
+    parser.add_argument("--offload", action="store_true", help="consider ZeRO-2 with the optimizer on the CPU")
+    parser.add_argument("--per_device_train_batch_size", type=int, default=8)
+    parser.add_argument("--max_seq_length", type=int, default=512)
+    parser.add_argument("--num_labels", type=int, default=0, help="add a classification head with this many labels")
+    parser.add_argument("--device_memory", help="memory of one device (16GB, 80GiB): name the cheapest that fits")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
+    args = parser.parse_args(argv)
+    try:
+        size = (ModelSize(parse_count(args.num_parameters), "--num_parameters") if args.num_parameters
+                else model_size(args.model, num_labels=args.num_labels))
+        device_memory = parse_bytes(args.device_memory) if args.device_memory else None
+        result = make_plan(size, args.world_size, "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
+                           offload=args.offload, batch_size=args.per_device_train_batch_size,
+                           seq_length=args.max_seq_length, device_memory=device_memory)
+    except PlanError as err:
+        print(f"trainer-ext plan: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        import dataclasses
+
+        best = result.cheapest_fitting()
+        print(json.dumps({**dataclasses.asdict(result), "cheapest_fitting": best.backend if best else None},
+                         indent=2))
+    else:
+        print(render(result))
+    return 0
+
+
+COMMANDS = {"ds-config": ds_config, "plan": plan, "train": train}
 
 
 def main(argv: list[str] | None = None) -> int:

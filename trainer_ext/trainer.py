@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer
 
+from . import progress
 from .backends import select_backend
 from .checkpoint import (DATA_STATE, check_compatible, model_fingerprint, newest_valid_checkpoint, problem_with,
                          publish, read_data_state, rotate, staging_dir)
@@ -53,6 +54,7 @@ class ExtTrainer(Trainer):
         self.remote = None  # --checkpoint_uri
         self.preemption = PreemptionCallback()
         self.add_callback(self.preemption)
+        progress.install(self)  # main process: bar with samples/s and ETA; resolved settings printed at start
 
     # -- losses ----------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -1,0 +1,312 @@
+"""Benchmark every backend on one fine-tune, interleaved in one run so that ratios hold on a noisy machine: the stock
+transformers Trainer and ExtTrainer with DDP, with DeepSpeed ZeRO-2, and ExtTrainer with `--sharded_ddp simple`;
+writes benchmarks/results/backends.md (ratios to DDP, per-rank model-state bytes against the planner's formulas,
+losses) and benchmarks/results/backends.png (loss curves and memory bars).
+
+    python benchmarks/backends.py [--steps 30 --repeats 3 --ranks 2]
+
+Each run is benchmarks/train.py (MiniLM classifier, shipped set, sequences padded to 64, 16 per rank, fp32, dropout
+off); on CUDA every configuration also runs in fp16 and bf16 and the report adds tokens/s, model FLOPs utilisation
+and peak CUDA memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+BIN = Path(sys.executable).parent
+MIB = 2 ** 20
+
+from trainer_ext.planner import ModelSize, plan  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    trainer: str  # stock | ext
+    launcher: str  # torchrun | deepspeed | launch
+    backend: str  # the planner's name for the formula to compare with
+    flags: tuple = ()
+    notes: str = ""
+
+
+CONFIGS = [
+    Config("DDP, stock Trainer", "stock", "torchrun", "ddp"),
+    Config("DDP, ExtTrainer", "ext", "torchrun", "ddp"),
+    # The same DeepSpeed file for both trainers, so the difference is the Trainer alone.
+    Config("ZeRO-2, stock Trainer (zero2_auto.json)", "stock", "deepspeed", "zero2",
+           ("--deepspeed", "ds_configs/zero2_auto.json")),
+    Config("ZeRO-2, ExtTrainer (zero2_auto.json)", "ext", "deepspeed", "zero2",
+           ("--deepspeed", "ds_configs/zero2_auto.json")),
+    Config("ZeRO-2, ExtTrainer (zero2_minimal: our defaults)", "ext", "deepspeed", "zero2",
+           ("--deepspeed", "zero2_minimal")),
+    # Candidate small-scale settings: on CPU ranks DeepSpeed's side streams do not exist (no overlap to gain), and
+    # reduce_scatter goes through an all-reduce plus a copy anyway.
+    Config("ZeRO-2, ExtTrainer (overlap_comm, reduce_scatter off)", "ext", "deepspeed", "zero2",
+           ("--deepspeed", json.dumps({"zero_optimization": {
+               "stage": 2, "allgather_partitions": True, "allgather_bucket_size": 5e8, "overlap_comm": False,
+               "reduce_scatter": False, "reduce_bucket_size": 5e8, "contiguous_gradients": True}}))),
+    Config("simple, ExtTrainer", "ext", "launch", "simple", ("--sharded_ddp", "simple")),
+]
+BASELINE = {"stock": "DDP, stock Trainer", "ext": "DDP, ExtTrainer"}
+
+# Dense peak FLOP/s by device name and precision (vendor data sheets), for model FLOPs utilisation.
+PEAK_FLOPS = {
+    "H100": {"fp32": 67e12, "fp16": 989e12, "bf16": 989e12},
+    "H200": {"fp32": 67e12, "fp16": 989e12, "bf16": 989e12},
+    "A100": {"fp32": 19.5e12, "fp16": 312e12, "bf16": 312e12},
+    "L4": {"fp32": 30.3e12, "fp16": 121e12, "bf16": 121e12},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def command(config: Config, ranks: int, precision: str, steps: int, out: Path, cuda: bool) -> list[str]:
+    port = str(free_port())
+    launcher = {
+        "torchrun": [str(BIN / "torchrun"), "--nproc_per_node", str(ranks), "--master_port", port],
+        "deepspeed": [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", port],
+        "launch": [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", str(ranks),
+                   "--master_port", port],
+    }[config.launcher]
+    flags = ["--trainer", config.trainer, "--report_dir", str(out / "report"), "--output_dir", str(out / "output"),
+             "--max_steps", str(steps), "--per_device_train_batch_size", "16", "--learning_rate", "5e-5",
+             "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+             "--seed", "42", *config.flags]
+    if precision != "fp32":
+        flags.append(f"--{precision}")
+    if config.trainer == "stock":
+        # Stock transformers 5 runs CPU ranks as separate jobs without --use_cpu, and multiplies a classifier's
+        # loss by the world size unless told not to; both would make the comparison meaningless.
+        flags += ["--average_tokens_across_devices", "false"] + ([] if cuda else ["--use_cpu"])
+    return [*launcher, str(REPO / "benchmarks" / "train.py"), *flags]
+
+
+def run_once(config, ranks, precision, steps, root: Path, cuda: bool) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="run-", dir=root))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
+        [str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    started = time.perf_counter()
+    done = subprocess.run(command(config, ranks, precision, steps, out, cuda), capture_output=True, text=True,
+                          env=env, cwd=REPO)
+    if done.returncode != 0:
+        raise SystemExit(f"{config.name} ({precision}) failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    reports = [json.loads((out / "report" / f"rank{r}.json").read_text()) for r in range(ranks)]
+    shutil.rmtree(out, ignore_errors=True)
+    return {"reports": reports, "wall_seconds": time.perf_counter() - started}
+
+
+def samples_per_second(report: dict, warmup: int, global_batch: int) -> float:
+    """Steady state: from the end of step `warmup` to the end of the last step (data loading and logging included)."""
+    ends = report["step_end_times"]
+    return global_batch * (len(ends) - warmup) / (ends[-1] - ends[warmup - 1])
+
+
+def model_flops_per_token(num_parameters: int, layers: int, hidden: int, seq_length: int) -> float:
+    """Training FLOPs per token: 6Ψ for the matmuls with weights plus 12·L·h·s for attention (PaLM, appendix B)."""
+    return 6 * num_parameters + 12 * layers * hidden * seq_length
+
+
+def predicted_model_states(row: dict, ranks: int) -> float:
+    """The planner's per-rank model-state bytes for this row's backend, parameter count and precision."""
+    estimates = plan(ModelSize(row["num_parameters"], "run"), ranks, row["precision"]).estimates
+    return next(e for e in estimates if e.backend == row["backend"]).model_states
+
+
+def summarise(results: dict, ranks: int, steps: int, warmup: int, seq_length: int, device: str) -> list[dict]:
+    rows = []
+    for (name, precision), runs in results.items():
+        config = next(c for c in CONFIGS if c.name == name)
+        speeds = [samples_per_second(run["reports"][0], warmup, 16 * ranks) for run in runs]
+        first = runs[0]["reports"]
+        psi = first[0]["num_parameters"]
+        per_rank = []
+        for report in first:
+            states = sum(report.get(k, 0) for k in ("params_bytes", "grads_bytes", "moments_bytes", "master_bytes"))
+            per_rank.append({"rank": report["rank"], "params": report["params_bytes"], "grads": report["grads_bytes"],
+                             "moments": report["moments_bytes"], "master": report["master_bytes"],
+                             "model_states": states,
+                             "peak_rss": report["peak_rss_bytes"], "peak_cuda": report.get("peak_cuda_bytes")})
+        row = {"name": name, "trainer": config.trainer, "backend": config.backend, "precision": precision,
+               "samples_per_second": statistics.median(speeds), "all_samples_per_second": speeds,
+               "tokens_per_second": statistics.median(speeds) * seq_length, "per_rank": per_rank,
+               "losses": first[0]["losses"], "num_parameters": psi}
+        peak = next((v.get(precision) for k, v in PEAK_FLOPS.items() if k in device), None)
+        if peak:
+            flops = model_flops_per_token(psi, 6, 384, seq_length) * row["tokens_per_second"]
+            row["mfu"] = flops / (peak * ranks)
+        rows.append(row)
+    return rows
+
+
+def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
+    by_name = {(r["name"], r["precision"]): r for r in rows}
+    lines = [f"# Backends on {meta['ranks']} ranks: throughput, per-rank memory, losses", "",
+             f"Made by `python benchmarks/backends.py --steps {meta['steps']} --repeats {meta['repeats']}` on "
+             f"{meta['device']} ({meta['started']}, {meta['minutes']:.0f} min). MiniLM-L6 classifier "
+             f"({rows[0]['num_parameters']:,} parameters), shipped classification set padded to "
+             f"{meta['seq_length']} tokens, 16 per rank, AdamW 5e-5, dropout off. The {len(CONFIGS)} configurations "
+             f"run one after another in each repeat (order reversed on odd repeats), so load from other work on this "
+             f"shared machine hits them alike; samples/s counts steps {meta['warmup'] + 1}-{meta['steps']} "
+             "(data loading and logging included), median over repeats.", ""]
+    for precision in meta["precisions"]:
+        cuda = precision != "fp32" or meta["cuda"]
+        lines += [f"## Throughput ({precision})", "",
+                  "| configuration | samples/s | each repeat | × DDP (same Trainer) | ExtTrainer / stock |"
+                  + (" tokens/s | MFU |" if cuda else ""),
+                  "|---|---|---|---|---|" + ("---|---|" if cuda else "")]
+        for config in CONFIGS:
+            row = by_name.get((config.name, precision))
+            if row is None:
+                continue
+            ddp = by_name[(BASELINE[config.trainer], precision)]["samples_per_second"]
+            stock = next((by_name[(c.name, precision)] for c in CONFIGS if c.trainer == "stock"
+                          and c.flags == config.flags and (c.name, precision) in by_name), None)
+            overhead = (f"{row['samples_per_second'] / stock['samples_per_second']:.3f}"
+                        if config.trainer == "ext" and stock else "")
+            line = (f"| {config.name} | {row['samples_per_second']:.2f} | "
+                    f"{', '.join(f'{s:.1f}' for s in row['all_samples_per_second'])} | "
+                    f"{row['samples_per_second'] / ddp:.3f} | {overhead} |")
+            if cuda:
+                line += f" {row['tokens_per_second']:.0f} | {row.get('mfu', float('nan')):.1%} |"
+            lines.append(line)
+        lines += ["", f"## Per-rank model states ({precision}, MiB; measured in the run, formula from "
+                  "`trainer_ext.planner`)", "",
+                  "| configuration | rank | params | grads | Adam moments | fp32 master | model states | formula | "
+                  "measured / formula | moments / DDP's | peak RSS |" + (" peak CUDA |" if cuda else ""),
+                  "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "")]
+        for config in CONFIGS:
+            row = by_name.get((config.name, precision))
+            if row is None:
+                continue
+            ddp_rows = by_name[(BASELINE[config.trainer], precision)]["per_rank"]
+            formula = predicted_model_states(row, meta["ranks"])
+            for rank, ddp in zip(row["per_rank"], ddp_rows):
+                line = (f"| {config.name} | {rank['rank']} | {rank['params'] / MIB:.2f} | {rank['grads'] / MIB:.2f} | "
+                        f"{rank['moments'] / MIB:.2f} | {rank['master'] / MIB:.2f} | "
+                        f"{rank['model_states'] / MIB:.2f} | {formula / MIB:.2f} | "
+                        f"{rank['model_states'] / formula:.4f} | {rank['moments'] / ddp['moments']:.4f} | "
+                        f"{rank['peak_rss'] / MIB:.0f} |")
+                if cuda:
+                    line += f" {(rank['peak_cuda'] or 0) / MIB:.0f} |"
+                lines.append(line)
+        lines += ["", f"## Losses ({precision})", "", "| configuration | first | final | max difference to DDP "
+                  "(same Trainer) |", "|---|---|---|---|"]
+        for config in CONFIGS:
+            row = by_name.get((config.name, precision))
+            if row is None:
+                continue
+            ddp = by_name[(BASELINE[config.trainer], precision)]["losses"]
+            difference = max(abs(a - b) for a, b in zip(row["losses"], ddp))
+            lines.append(f"| {config.name} | {row['losses'][0]:.6f} | {row['losses'][-1]:.6f} | {difference:.1e} |")
+        lines.append("")
+    notes = path.with_name(path.stem + "_notes.md")
+    if notes.is_file():  # the analysis written by hand after reading the figures
+        lines += [notes.read_text().rstrip(), ""]
+    lines += [f"![loss curves and per-rank memory]({path.with_suffix('.png').name})", ""]
+    path.write_text("\n".join(lines))
+
+
+def write_figure(path: Path, rows: list[dict], precision: str, ranks: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["precision"] == precision]
+    figure, (curves, bars) = plt.subplots(1, 2, figsize=(15, 5.5))
+    for row, style in zip(rows, ["-", "--", "-", "--", ":", "-.", ":"]):
+        curves.plot(range(1, len(row["losses"]) + 1), row["losses"], style, label=row["name"], linewidth=1.4)
+    curves.set(xlabel="step", ylabel="training loss (rank 0)", title=f"Loss curves ({precision})")
+    curves.legend(fontsize=7)
+    labels, bottoms = [], []
+    parts = [("params", "#4c72b0"), ("grads", "#dd8452"), ("moments", "#55a868"), ("master", "#c44e52")]
+    position = 0
+    for row in rows:
+        for rank in row["per_rank"]:
+            bottom = 0.0
+            for part, color in parts:
+                value = rank[part] / MIB
+                bars.bar(position, value, bottom=bottom, color=color, label=part if position == 0 else None)
+                bottom += value
+            bars.plot([position - 0.4, position + 0.4], [predicted_model_states(row, ranks) / MIB] * 2, color="black", linewidth=1,
+                      label="planner formula" if position == 0 else None)
+            labels.append(f"{row['name'].replace(', ', chr(10))}\nrank {rank['rank']}")
+            bottoms.append(position)
+            position += 1
+        position += 0.5
+    bars.set_xticks(bottoms, labels, fontsize=5.5)
+    bars.set(ylabel="MiB per rank", title="Per-rank model states (measured; line: planner)")
+    bars.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of samples/s")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--only", nargs="*", help="substrings of configuration names to run (default: all)")
+    parser.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "backends.md"))
+    parser.add_argument("--report_only", action="store_true", help="rewrite the .md and .png from the saved .json")
+    args = parser.parse_args()
+    if args.report_only:
+        saved = json.loads(Path(args.results).with_suffix(".json").read_text())
+        write_results(Path(args.results), saved["rows"], saved["meta"])
+        return
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda else f"{os.cpu_count()} shared CPU cores (gloo)"
+    precisions = ["fp32", "fp16", "bf16"] if cuda else ["fp32"]
+    configs = [c for c in CONFIGS if not args.only or any(s in c.name for s in args.only)]
+    root = Path(tempfile.mkdtemp(prefix="trainer-ext-bench-"))
+    results: dict = {}
+    started, clock = time.strftime("%Y-%m-%d"), time.perf_counter()
+    for repeat in range(args.repeats):
+        order = configs if repeat % 2 == 0 else configs[::-1]
+        for precision in precisions:
+            for config in order:
+                run = run_once(config, args.ranks, precision, args.steps, root, cuda)
+                results.setdefault((config.name, precision), []).append(run)
+                print(f"repeat {repeat + 1}/{args.repeats} {precision} {config.name}: "
+                      f"{samples_per_second(run['reports'][0], args.warmup, 16 * args.ranks):.2f} samples/s "
+                      f"({run['wall_seconds']:.0f} s)", flush=True)
+        # Written after every repeat: a run cut short on a busy machine still leaves complete tables.
+        meta = {"ranks": args.ranks, "steps": args.steps, "repeats": repeat + 1, "warmup": args.warmup,
+                "seq_length": 64, "device": device, "cuda": cuda, "precisions": precisions, "started": started,
+                "minutes": (time.perf_counter() - clock) / 60}
+        write_results(Path(args.results), summarise(results, args.ranks, args.steps, args.warmup, 64, device), meta)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def write_results(results_path: Path, rows: list[dict], meta: dict) -> None:
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    write_markdown(results_path, rows, meta)
+    write_figure(results_path.with_suffix(".png"), rows, meta["precisions"][0], meta["ranks"])
+    print(f"wrote {results_path} and {results_path.with_suffix('.png')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
