@@ -77,8 +77,6 @@ def train(argv: list[str]) -> int:
     return 0
 
 
-
-
 def plan(argv: list[str]) -> int:
     import argparse
 
