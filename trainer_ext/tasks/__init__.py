@@ -1,0 +1,1 @@
+"""Reusable task recipes (data preparation, metrics, `run`) shared by the example scripts and experiment runners."""
