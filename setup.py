@@ -16,7 +16,7 @@ setup(
     long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["trainer_ext", "trainer_ext.ds_configs"],
+    packages=["trainer_ext", "trainer_ext.tasks", "trainer_ext.ds_configs"],
     # The presets ship inside the package as well, so `--deepspeed zero2` works from a wheel install.
     package_dir={"trainer_ext.ds_configs": "ds_configs"},
     package_data={"trainer_ext.ds_configs": ["*.json"]},

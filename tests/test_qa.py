@@ -228,7 +228,9 @@ def run_qa(launcher, output_dir, *flags, cache):
               "deepspeed": [BIN / "deepspeed", "--num_gpus", 2, "--master_port", free_port()],
               "launch": [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", 2, "--master_port",
                          free_port()]}[launcher]
-    out = run([*prefix, SCRIPT, "--output_dir", output_dir, *COMMON, *flags], env={"HF_DATASETS_CACHE": str(cache)})
+    # Generous: the first DeepSpeed run on a machine builds its CPU ops (minutes on a busy 2-core machine).
+    out = run([*prefix, SCRIPT, "--output_dir", output_dir, *COMMON, *flags], env={"HF_DATASETS_CACHE": str(cache)},
+              timeout=1500)
     assert out.returncode == 0, f"{launcher} failed:\n{out.stdout[-4000:]}\n{out.stderr[-6000:]}"
     return out
 
