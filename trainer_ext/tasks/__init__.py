@@ -1,0 +1,1 @@
+"""Task entry points shared by the example scripts and the experiment runner."""
