@@ -22,8 +22,10 @@ def translate(kind, output_dir, *flags, cache, timeout=900):
                  "deepspeed": [BIN / "deepspeed", "--num_gpus", 2, "--master_port", free_port()],
                  "launch": [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", 2, "--master_port",
                             free_port()]}
+    # One thread per process, as the launchers give each rank: the same kernels, so the same numerics (and no
+    # oversubscribed OpenMP threads spinning on a shared CPU).
     out = run([*launchers[kind], TRANSLATION, "--output_dir", output_dir, *COMMON, *flags], timeout=timeout,
-              env={"HF_DATASETS_CACHE": str(cache)})
+              env={"HF_DATASETS_CACHE": str(cache), "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, f"{kind} failed:\n{out.stdout[-4000:]}\n{out.stderr[-6000:]}"
     return out
 
