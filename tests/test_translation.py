@@ -16,7 +16,7 @@ COMMON = ["--max_source_length", 32, "--max_target_length", 32, "--dropout", 0, 
           "--max_eval_samples", EVAL_SAMPLES, "--save_strategy", "no", "--logging_steps", 1]
 
 
-def translate(kind, output_dir, *flags, cache, timeout=900):
+def translate(kind, output_dir, *flags, cache, timeout=1800):
     """Run examples/run_translation.py on one process or 2 launched ranks; fail with the log on error."""
     launchers = {"single": [PYTHON],
                  "deepspeed": [BIN / "deepspeed", "--num_gpus", 2, "--master_port", free_port()],
