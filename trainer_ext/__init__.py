@@ -8,6 +8,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "ExtTrainer": ".trainer",
     "ExtTrainingArguments": ".args",
+    "ExtSeq2SeqTrainer": ".seq2seq",
+    "ExtSeq2SeqTrainingArguments": ".seq2seq",
     "OptimizerSettings": ".settings",
     "SchedulerSettings": ".settings",
     "ExtArgumentParser": ".args",

@@ -58,8 +58,6 @@ def train(argv: list[str]) -> int:
                                      description="Validate an experiment file, then train it.")
     parser.add_argument("experiment", help="YAML file with task, hyperparameters, data and a backend")
     parser.add_argument("--check", action="store_true", help="validate only: print the resolved arguments")
-    # The launchers pass the rank as a flag (torch.distributed.launch, deepspeed); it is also in LOCAL_RANK.
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     try:
@@ -122,8 +120,21 @@ def plan(argv: list[str]) -> int:
 COMMANDS = {"ds-config": ds_config, "plan": plan, "train": train}
 
 
+def _without_local_rank(argv: list[str]) -> list[str]:
+    """deepspeed and torch.distributed.launch put --local_rank=N before the command; LOCAL_RANK has it too."""
+    kept, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in ("--local_rank", "--local-rank"):
+            skip = True
+        elif not word.startswith(("--local_rank=", "--local-rank=")):
+            kept.append(word)
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = _without_local_rank(sys.argv[1:] if argv is None else list(argv))
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2

@@ -16,6 +16,8 @@ TASKS = {
     "qa": "trainer_ext.tasks.qa",
     "translation": "trainer_ext.tasks.translation",
 }
+# Tasks whose recipe needs more than ExtTrainingArguments (generation settings).
+TRAINING_ARGUMENTS = {"translation": ("trainer_ext.seq2seq", "ExtSeq2SeqTrainingArguments")}
 SECTIONS = ("task", "description", "hyperparameters", "data", "deepspeed", "sharded_ddp")
 MODEL_KWARGS = {"config": "config_kwargs", "tokenizer": "tokenizer_kwargs", "model": "model_kwargs"}
 # optimizer / scheduler sections -> the TrainingArguments fields ExtTrainer builds them from
@@ -69,9 +71,8 @@ def load_experiment(source) -> Experiment:
         problems.append(f"{name}: task: {task!r} is not one of {', '.join(TASKS)}" + hint)
         raise ExperimentError("\n".join(problems))
     recipe = import_module(TASKS[task])
-    training_class = getattr(recipe, "TrainingArguments", None)
-    if training_class is None:
-        from .args import ExtTrainingArguments as training_class
+    module, name_in_module = TRAINING_ARGUMENTS.get(task, ("trainer_ext.args", "ExtTrainingArguments"))
+    training_class = getattr(import_module(module), name_in_module)
 
     hyper = dict(values.get("hyperparameters") or {})
     data = dict(values.get("data") or {})

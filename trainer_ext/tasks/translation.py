@@ -1,0 +1,295 @@
+"""Translation task: fine-tune a sequence-to-sequence model on JSON-lines parallel text and score it with BLEU."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .common import ModelArguments as CommonModelArguments
+from .common import shipped_model
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED_DATA = REPO / "data" / "translation"
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spiece.model")
+# Every dropout probability name used by the configs this task builds (BERT, BART, Marian, T5, encoder-decoder).
+DROPOUT_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout", "dropout",
+                  "attention_dropout", "activation_dropout", "dropout_rate")
+
+
+class DataFileError(FileNotFoundError):
+    """A data file named by a flag (or the shipped default) is missing or lacks the expected fields."""
+
+
+@dataclass
+class ModelArguments(CommonModelArguments):
+    model_name_or_path: str | None = field(default=None, metadata={
+        "help": "A trained model folder, or a config JSON / config folder without weights (builds a new model "
+                "from it with the shipped tokenizer); default: encoder-decoder warm-started from the shipped MiniLM."})
+    config_overrides: str | None = field(default=None, metadata={
+        "help": "Comma-separated config changes, e.g. d_model=64,encoder_layers=2 (for the warm-started "
+                "MiniLM they apply to its encoder and decoder configs)."})
+
+
+@dataclass
+class DataArguments:
+    train_file: str | None = field(default=None, metadata={"help": "JSON lines of {\"translation\": {lang: text}}; "
+                                                                   "default: data/translation/train.jsonl."})
+    validation_file: str | None = field(default=None)
+    test_file: str | None = field(default=None)
+    source_lang: str = field(default="en")
+    target_lang: str = field(default="de")
+    max_source_length: int = field(default=64)
+    max_target_length: int = field(default=64)
+    source_prefix: str = field(default="", metadata={"help": "Prepended to every source text (T5: 'translate "
+                                                             "English to German: ')."})
+    max_train_samples: int | None = field(default=None)
+    max_eval_samples: int | None = field(default=None)
+    max_predict_samples: int | None = field(default=None)
+    num_beams: int | None = field(default=None, metadata={"help": "Beams for generation during evaluate/predict; "
+                                                                  "default: --generation_num_beams."})
+    preprocessing_num_workers: int | None = field(default=None)
+    overwrite_cache: bool = field(default=False, metadata={"help": "Tokenize again instead of using the cache."})
+    evaluate_before_training: bool = field(default=False, metadata={"help": "Report validation metrics first."})
+
+    def __post_init__(self):
+        if self.source_lang == self.target_lang:
+            raise ValueError(f"--source_lang and --target_lang are both {self.source_lang!r}: give two languages")
+        for name in ("max_source_length", "max_target_length"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"--{name} {getattr(self, name)}: needs room for at least one token and the end "
+                                 "token (give 2 or more)")
+
+
+# -- data ------------------------------------------------------------------------------------------------------
+def data_files(data_args: DataArguments, training_args) -> dict[str, str]:
+    """The files this run reads, checked before anything loads: the splits it uses plus any file named."""
+    given = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+    needed = {"train": training_args.do_train,
+              "validation": training_args.do_eval or data_args.evaluate_before_training,
+              "test": training_args.do_predict}
+    files, missing = {}, []
+    for split, path in given.items():
+        if path is None and not needed[split]:
+            continue
+        path = Path(path) if path is not None else SHIPPED_DATA / f"{split}.jsonl"
+        if not path.is_file():
+            source = f"--{split}_file" if given[split] is not None else f"the shipped default for --{split}_file"
+            missing.append(f"{source}: no such file {path}")
+        files[split] = str(path)
+    if missing:
+        raise DataFileError("; ".join(missing) + " (give existing JSON lines files, one {\"translation\": "
+                            "{source_lang: text, target_lang: text}} per line)")
+    return files
+
+
+def load_pairs(files: dict[str, str], data_args: DataArguments):
+    import datasets
+
+    raw = datasets.load_dataset("json", data_files=files)
+    for split, dataset in raw.items():
+        if "translation" not in dataset.column_names:
+            raise DataFileError(f"{files[split]}: no 'translation' field (columns: {dataset.column_names}); "
+                                "each line must be {\"translation\": {source_lang: text, target_lang: text}}")
+        first = dataset[0]["translation"] if len(dataset) else {}
+        for flag, lang in (("--source_lang", data_args.source_lang), ("--target_lang", data_args.target_lang)):
+            if first and lang not in first:
+                raise DataFileError(f"{files[split]}: no {lang!r} text ({flag} {lang}); languages there: "
+                                    f"{sorted(first)}")
+    return raw
+
+
+def tokenize_pairs(batch, tokenizer, source_lang, target_lang, source_prefix, max_source_length, max_target_length,
+                   decoder_start_token_id):
+    """Top-level (no closure), so datasets fingerprints it identically on every run and reuses its cache."""
+    sources = [source_prefix + pair[source_lang] for pair in batch["translation"]]
+    targets = [pair[target_lang] for pair in batch["translation"]]
+    encoded = tokenizer(sources, max_length=max_source_length, truncation=True)
+    labels = tokenizer(text_target=targets, max_length=max_target_length, truncation=True)["input_ids"]
+    # A BERT tokenizer opens every target with [CLS], the decoder's start token: the decoder is fed it already
+    # and would otherwise learn to emit it a second time.
+    encoded["labels"] = [ids[1:] if ids and ids[0] == decoder_start_token_id else ids for ids in labels]
+    return encoded
+
+
+def tokenize(raw, tokenizer, model, data_args: DataArguments, training_args):
+    """Limit each split, then tokenize it once (rank 0 first; the other ranks read its cache)."""
+    import datasets
+
+    limits = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples,
+              "test": data_args.max_predict_samples}
+    kwargs = {"tokenizer": tokenizer, "source_lang": data_args.source_lang, "target_lang": data_args.target_lang,
+              "source_prefix": data_args.source_prefix, "max_source_length": data_args.max_source_length,
+              "max_target_length": data_args.max_target_length,
+              "decoder_start_token_id": model.config.decoder_start_token_id}
+    tokenized = {}
+    with training_args.main_process_first(desc="tokenize"):
+        for split, dataset in raw.items():
+            if limits[split] is not None:
+                dataset = dataset.select(range(min(limits[split], len(dataset))))
+            # A copy per split: tokenizing with truncation changes the tokenizer's state, hence its hash.
+            kwargs["tokenizer"] = copy.deepcopy(tokenizer)
+            tokenized[split] = dataset.map(
+                tokenize_pairs, batched=True, fn_kwargs=dict(kwargs), remove_columns=dataset.column_names,
+                num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache,
+                desc=f"tokenize {split}")
+    return datasets.DatasetDict(tokenized)
+
+
+# -- model -----------------------------------------------------------------------------------------------------
+def special_token_ids(tokenizer) -> dict:
+    """Decoder start, end and padding ids for a tokenizer ([CLS]/[SEP]/[PAD] for BERT ones)."""
+    start = next(i for i in (tokenizer.cls_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) if i is not None)
+    end = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
+    return {"decoder_start_token_id": start, "bos_token_id": start, "eos_token_id": end,
+            "pad_token_id": tokenizer.pad_token_id}
+
+
+def adjust_config(config, dropout: float | None, overrides: str | None, kwargs: dict | None = None) -> None:
+    """Apply --config_kwargs, --dropout to every dropout field the config has, then --config_overrides."""
+    config.update(dict(kwargs or {}))
+    if dropout is not None:
+        for name in DROPOUT_FIELDS:
+            if hasattr(config, name):
+                setattr(config, name, dropout)
+    if overrides:
+        try:
+            config.update_from_string(overrides)
+        except ValueError as err:
+            raise ValueError(f"--config_overrides {overrides}: {err} (keys must exist in the "
+                             f"{type(config).__name__})") from None
+
+
+def _sub_configs(config):
+    return [config.encoder, config.decoder] if config.model_type == "encoder-decoder" else [config]
+
+
+def _has_weights(folder: Path) -> bool:
+    return any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES)
+
+
+def build_model(model_args: ModelArguments):
+    """(model, tokenizer) from --model_name_or_path: warm-started MiniLM, a trained model, or a config only."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel
+
+    name = model_args.model_name_or_path
+    path = Path(name) if name else None
+    if name is None:
+        minilm = shipped_model()
+        tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or minilm, **model_args.tokenizer_kwargs)
+        encoder_config = AutoConfig.from_pretrained(minilm)
+        adjust_config(encoder_config, model_args.dropout, model_args.config_overrides, model_args.config_kwargs)
+        decoder_config = copy.deepcopy(encoder_config)
+        decoder_config.update({"is_decoder": True, "add_cross_attention": True})
+        model = EncoderDecoderModel.from_encoder_decoder_pretrained(
+            minilm, minilm, encoder_config=encoder_config, decoder_config=decoder_config)
+        _set_token_ids(model, tokenizer, override=True)
+        return model, tokenizer
+    config_only = (path.is_file() and path.suffix == ".json") or (path.is_dir() and not _has_weights(path))
+    folder = path.parent if path.is_file() else path
+    own_tokenizer = folder.is_dir() and any((folder / f).is_file() for f in TOKENIZER_FILES)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or (folder if own_tokenizer else shipped_model()),
+                                              **model_args.tokenizer_kwargs)
+    config = AutoConfig.from_pretrained(name)
+    for sub in _sub_configs(config):
+        adjust_config(sub, model_args.dropout, model_args.config_overrides, model_args.config_kwargs)
+    if not config_only:
+        model = AutoModelForSeq2SeqLM.from_pretrained(name, config=config, **model_args.model_kwargs)
+        _set_token_ids(model, tokenizer, override=False)
+        return model, tokenizer
+    if not own_tokenizer:  # the config was written for another vocabulary: fit it to the shipped tokenizer
+        for sub in _sub_configs(config):
+            for field_name in ("vocab_size", "decoder_vocab_size"):
+                if getattr(sub, field_name, None) is not None:
+                    setattr(sub, field_name, len(tokenizer))
+    try:
+        model = AutoModelForSeq2SeqLM.from_config(config)
+    except ValueError as err:
+        raise ValueError(f"--model_name_or_path {name}: {type(config).__name__} is not a sequence-to-sequence "
+                         f"config ({err}); give e.g. a Marian, T5, BART or encoder-decoder config") from None
+    _set_token_ids(model, tokenizer, override=not own_tokenizer)
+    return model, tokenizer
+
+
+def _set_token_ids(model, tokenizer, override: bool) -> None:
+    """Token ids for training and generation; `override`: the tokenizer does not come with the config, so the
+    config's ids (another vocabulary's) are replaced by the tokenizer's."""
+    for key, value in special_token_ids(tokenizer).items():
+        for target in (model.config, model.generation_config):
+            if override or getattr(target, key, None) is None:
+                setattr(target, key, value)
+
+
+# -- metric ----------------------------------------------------------------------------------------------------
+def decode(sequences, tokenizer) -> list[str]:
+    """Token ids -> text; -100 (ignored labels, padding between ranks) reads as padding."""
+    ids = np.asarray(sequences)
+    ids = np.where(ids != -100, ids, tokenizer.pad_token_id)
+    return [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
+
+
+def bleu_metrics(prediction, tokenizer) -> dict:
+    """Corpus BLEU (sacrebleu) of generated sequences against the labels, and the mean generated length."""
+    import sacrebleu
+
+    sequences = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+    hypotheses, references = decode(sequences, tokenizer), decode(prediction.label_ids, tokenizer)
+    sequences = np.asarray(sequences)
+    lengths = ((sequences != -100) & (sequences != tokenizer.pad_token_id)).sum(axis=-1)
+    return {"bleu": sacrebleu.corpus_bleu(hypotheses, [references]).score, "gen_len": float(lengths.mean())}
+
+
+# -- entry point -----------------------------------------------------------------------------------------------
+def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> dict:
+    """Train and/or evaluate as the flags ask; returns every metric. Rank 0 writes `{split}_results.json` and
+    the generated texts (`generated_eval_before.txt`, `generated_eval.txt`, `generated_predictions.txt`)."""
+    from transformers import DataCollatorForSeq2Seq, set_seed
+
+    from ..seq2seq import ExtSeq2SeqTrainer
+
+    files = data_files(data_args, training_args)
+    Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
+    set_seed(training_args.seed)  # new weights (cross-attention, a config-built model) equal on every rank
+    model, tokenizer = build_model(model_args)
+    tokenized = tokenize(load_pairs(files, data_args), tokenizer, model, data_args, training_args)
+
+    generate = training_args.predict_with_generate
+    trainer = ExtSeq2SeqTrainer(
+        model=model, args=training_args, train_dataset=tokenized.get("train"),
+        eval_dataset=tokenized.get("validation"), processing_class=tokenizer,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+        compute_metrics=functools.partial(bleu_metrics, tokenizer=tokenizer) if generate else None)
+    generation = {"max_length": training_args.generation_max_length or data_args.max_target_length,
+                  "num_beams": data_args.num_beams or training_args.generation_num_beams}
+    results = {}
+
+    def score(split, prefix, output_name):
+        output = trainer.predict(tokenized[split], metric_key_prefix=prefix, **generation)
+        trainer.save_metrics(prefix, output.metrics)
+        results.update(output.metrics)
+        if generate and trainer.is_world_process_zero():
+            texts = decode(output.predictions, tokenizer)
+            (Path(training_args.output_dir) / output_name).write_text("\n".join(texts) + "\n", encoding="utf-8")
+
+    if data_args.evaluate_before_training:
+        score("validation", "eval_before", "generated_eval_before.txt")
+    if training_args.do_train:
+        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        trainer.save_model()
+        metrics = {**train_result.metrics, "train_samples": len(tokenized["train"])}
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        results.update(metrics)
+    if training_args.do_eval:
+        score("validation", "eval", "generated_eval.txt")
+    if training_args.do_predict:
+        score("test", "predict", "generated_predictions.txt")
+    return results
