@@ -143,9 +143,10 @@ def test_model_state_prediction_matches_a_real_two_rank_run(tmp_path, backend):
     psi = reports[0]["num_parameters"]
     predicted = next(e for e in plan(ModelSize(psi, "run"), 2, "fp32").estimates if e.backend == backend)
     ddp_moments = 8 * psi  # AdamW's two fp32 moments for every parameter
+    measured = [r["params_bytes"] + r["grads_bytes"] + r["moments_bytes"] + r["master_bytes"] for r in reports]
+    # The plan is for the most loaded rank (what must fit); under `simple` ranks differ by placement and buckets.
+    assert abs(max(measured) / predicted.model_states - 1) < 0.05, (measured, predicted)
     for report in reports:
-        measured = report["params_bytes"] + report["grads_bytes"] + report["moments_bytes"] + report["master_bytes"]
-        assert abs(measured / predicted.model_states - 1) < 0.05, (report, predicted)
         assert report["params_bytes"] == 4 * psi
         if backend == "ddp":
             assert report["moments_bytes"] == ddp_moments and report["grads_bytes"] == 4 * psi

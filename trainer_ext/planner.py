@@ -69,7 +69,8 @@ def formulas(mixed: bool) -> list[BackendFormula]:
         # OSS shards Adam's moments, ShardedDataParallel reduces each gradient to its owner; weights stay fp32.
         BackendFormula("simple", "--sharded_ddp simple", (4, False), (4, True), (8, True), 1.0,
                        note="OSS places whole tensors: a rank's share is 1/N up to the largest tensor; grads "
-                            "include ShardedDDP's buckets for the other ranks, min(2^23, Ψ/N) fp32 elements each"),
+                            "include ShardedDDP's buckets for the other ranks, up to min(2^23, Ψ/N) fp32 elements "
+                            "each (the most loaded rank)"),
         # FullyShardedDataParallel keeps an fp32 shard; without resharding after forward the full (compute-dtype)
         # parameters stay gathered through backward.
         BackendFormula("zero_dp_2", "--sharded_ddp zero_dp_2", (4, True), (4, True), (8, True), 1.0, cuda_only=True,
