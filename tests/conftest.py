@@ -21,11 +21,22 @@ def free_port() -> int:
 
 
 def run(cmd, timeout=600, env=None, cwd=REPO):
-    """Run a real process; return CompletedProcess with text output."""
+    """Run a real process in its own process group; return CompletedProcess with text output. On timeout the
+    whole group is killed: a launcher's ranks must not live on (holding ports, DeepSpeed's op-build lock)."""
+    import signal
+
     full_env = clean_env()
     full_env.update(PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
-                          env=full_env, cwd=cwd)
+    args = [str(c) for c in cmd]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                               cwd=cwd, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise subprocess.TimeoutExpired(args, timeout, output=stdout, stderr=stderr) from None
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
 
 class DataParallelWorld:
