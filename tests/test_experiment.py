@@ -131,3 +131,20 @@ def test_a_broken_experiment_exits_2_and_trains_nothing(tmp_path):
     assert out.returncode == 2
     assert "did you mean 'per_device_train_batch_size'" in out.stderr and "nothing was trained" in out.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_data_from_a_local_dataset_folder(tmp_path):
+    """data.dataset_name: datasets.load_dataset on a folder of split files, instead of naming each file."""
+    import shutil
+
+    from trainer_ext.tasks.classification import load_raw
+
+    folder = tmp_path / "my_dataset"
+    shutil.copytree(REPO / "data" / "classification", folder)
+    values = shipped("classification")
+    for key in ("train_file", "validation_file", "test_file"):
+        values["data"].pop(key)
+    values["data"]["dataset_name"] = str(folder)
+    experiment = load_experiment(values | {"deepspeed": "zero2_minimal"})
+    raw = load_raw(experiment.data_args)
+    assert {split: len(raw[split]) for split in raw} == {"train": 2400, "validation": 400, "test": 400}

@@ -21,7 +21,8 @@ __all__ = ["ModelArguments", "DataArguments", "run"]
 @dataclass
 class DataArguments:
     dataset_name: str | None = field(default=None, metadata={
-        "help": "A `datasets.load_dataset` name or local dataset script/folder (instead of the files)."})
+        "help": "A `datasets.load_dataset` name or a local folder of train/validation/test files (datasets 4+ no "
+                "longer runs dataset scripts)."})
     dataset_config_name: str | None = field(default=None)
     train_file: str | None = field(default=None, metadata={"help": "JSON lines/CSV with text, label."})
     validation_file: str | None = field(default=None)
