@@ -313,7 +313,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     cached = dict(num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache)
     train_features = eval_examples = eval_features = None
     # Rank 0 reads and tokenizes first; the other ranks then load its cache files.
-    with training_args.main_processfirst(desc="read and tokenize the QA data"):
+    with training_args.main_process_first(desc="read and tokenize the QA data"):
         if training_args.do_train:
             train_examples = first(load_squad(files["train"], **cached), data_args.max_train_samples)
             train_features = train_examples.map(prepare_train_features, batched=True, fn_kwargs=tokenize,
