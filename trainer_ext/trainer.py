@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +43,7 @@ class ExtTrainer(Trainer):
         super().__init__(model, args, *positional, **kwargs)
         _check_process_group(self.args)
         _release_process_group_at_exit()
+        _TRAINERS.add(self)
         self.loss_fn = loss_fn
         weights = class_weights if class_weights is not None else getattr(self.args, "class_weights", None)
         self.class_weights = [float(w) for w in weights] if weights else None
@@ -323,6 +325,7 @@ class ExtTrainer(Trainer):
 
 
 _RELEASE_REGISTERED = []
+_TRAINERS = weakref.WeakSet()  # released before the process group at exit
 
 
 def _release_process_group_at_exit() -> None:
@@ -333,6 +336,14 @@ def _release_process_group_at_exit() -> None:
     import atexit
 
     def release():
+        # A DDP wrapper or DeepSpeed engine still referenced keeps the group alive past destroy_process_group, to
+        # be torn down mid-interpreter-shutdown: drop the trainers' references first.
+        for trainer in list(_TRAINERS):
+            trainer.model_wrapped, trainer.deepspeed = trainer.model, None
+            trainer.accelerator.free_memory()
+        import gc
+
+        gc.collect()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         _remove_deepspeed_shm_buffer()
