@@ -96,7 +96,7 @@ def load_experiment(source) -> Experiment:
         raise ExperimentError("\n".join(problems))
 
     model_args = _build(recipe.ModelArguments, model_values, f"{name}: hyperparameters", problems)
-    data_args = _build(recipe.DataArguments, {k: v for k, v in data.items()}, f"{name}: data", problems)
+    data_args = _build(recipe.DataArguments, data, f"{name}: data", problems)
     training_args = _build(training_class, training_values, f"{name}: hyperparameters", problems)
     if problems:
         raise ExperimentError("\n".join(problems))
@@ -131,31 +131,32 @@ def _mapping(value, where: str, problems: list[str]) -> dict:
     return value
 
 
-def _optimizer(section, where: str, problems: list[str]) -> dict:
+def _settings_section(section, settings, fields: dict, where: str, problems: list[str]) -> dict:
+    """A settings section (keys of the `settings` dataclass) -> the TrainingArguments fields it stands for."""
     if section is None:
         return {}
+    section = _mapping(section, where, problems)
+    _check_keys(section, [f.name for f in dataclasses.fields(settings)], where, problems)
+    return {fields[key]: value for key, value in section.items() if key in fields}
+
+
+def _optimizer(section, where: str, problems: list[str]) -> dict:
     from .settings import OptimizerSettings
 
-    section = _mapping(section, where, problems)
-    _check_keys(section, [f.name for f in dataclasses.fields(OptimizerSettings)], where, problems)
-    fields = {OPTIMIZER_FIELDS[k]: v for k, v in section.items() if k in OPTIMIZER_FIELDS}
-    if "betas" in section:
-        betas = section["betas"]
+    values = _settings_section(section, OptimizerSettings, OPTIMIZER_FIELDS, where, problems)
+    betas = (section or {}).get("betas") if isinstance(section, dict) else None
+    if betas is not None:
         if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
             problems.append(f"{where}: betas: expected two numbers, e.g. [0.9, 0.999], got {betas!r}")
         else:
-            fields["adam_beta1"], fields["adam_beta2"] = (float(b) for b in betas)
-    return fields
+            values["adam_beta1"], values["adam_beta2"] = (float(b) for b in betas)
+    return values
 
 
 def _scheduler(section, where: str, problems: list[str]) -> dict:
-    if section is None:
-        return {}
     from .settings import SchedulerSettings
 
-    section = _mapping(section, where, problems)
-    _check_keys(section, [f.name for f in dataclasses.fields(SchedulerSettings)], where, problems)
-    return {SCHEDULER_FIELDS[k]: v for k, v in section.items() if k in SCHEDULER_FIELDS}
+    return _settings_section(section, SchedulerSettings, SCHEDULER_FIELDS, where, problems)
 
 
 def _backend_value(backend: str, value, name: str):

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..options import ArgumentsError
-from .common import REPO, ModelArguments, first, load_config, load_tokenizer, shipped_model
+from .common import REPO, ModelArguments, first, load_config, load_tokenizer, shipped_model, train_and_save
 
 SHIPPED_DATA = REPO / "data" / "classification"
 SPLITS = ("train", "validation", "test")
@@ -123,13 +123,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
         if main_process:
             print(f"validation accuracy before training: {before['eval_before_accuracy']:.4f}", flush=True)
     if training_args.do_train:
-        outcome = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        trainer.save_model()
-        metrics = {**outcome.metrics, "train_samples": len(tokenized["train"])}
-        trainer.log_metrics("train", metrics)
-        trainer.save_metrics("train", metrics)
-        trainer.save_state()
-        results.update(metrics)
+        results.update(train_and_save(trainer, training_args, len(tokenized["train"])))
     if training_args.do_eval:
         metrics = trainer.evaluate()
         trainer.log_metrics("eval", metrics)

@@ -72,3 +72,14 @@ def load_tokenizer(model_path: str, model_args: ModelArguments):
 def first(dataset, limit):
     """The first `limit` rows (all when None)."""
     return dataset if limit is None else dataset.select(range(min(limit, len(dataset))))
+
+
+def train_and_save(trainer, training_args, train_samples: int) -> dict:
+    """Train (resuming as ExtTrainer does), save the model and state, report and return the training metrics."""
+    outcome = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model()
+    metrics = {**outcome.metrics, "train_samples": train_samples}
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+    return metrics

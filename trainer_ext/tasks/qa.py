@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..options import ArgumentsError
-from .common import REPO, ModelArguments, first, load_config, load_tokenizer, shipped_model
+from .common import REPO, ModelArguments, first, load_config, load_tokenizer, shipped_model, train_and_save
 
 logger = logging.getLogger(__name__)
 
@@ -343,13 +343,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     if data_args.evaluate_before_training:
         evaluate("eval_before")
     if training_args.do_train:
-        outcome = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        trainer.save_model()
-        metrics = {**outcome.metrics, "train_samples": len(train_features)}
-        trainer.log_metrics("train", metrics)
-        trainer.save_metrics("train", metrics)
-        trainer.save_state()
-        results.update(metrics)
+        results.update(train_and_save(trainer, training_args, len(train_features)))
     if training_args.do_eval:
         evaluate("eval")
     return results

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .common import ModelArguments as CommonModelArguments
-from .common import shipped_model
+from .common import shipped_model, train_and_save
 
 logger = logging.getLogger(__name__)
 
@@ -281,13 +281,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     if data_args.evaluate_before_training:
         score("validation", "eval_before", "generated_eval_before.txt")
     if training_args.do_train:
-        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        trainer.save_model()
-        metrics = {**train_result.metrics, "train_samples": len(tokenized["train"])}
-        trainer.log_metrics("train", metrics)
-        trainer.save_metrics("train", metrics)
-        trainer.save_state()
-        results.update(metrics)
+        results.update(train_and_save(trainer, training_args, len(tokenized["train"])))
     if training_args.do_eval:
         score("validation", "eval", "generated_eval.txt")
     if training_args.do_predict:
