@@ -8,10 +8,46 @@ from pathlib import Path
 
 import pytest
 
+from trainer_ext.build_locks import clear_stale_build_locks
+
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 BIN = Path(sys.executable).parent
 DISTRIBUTED_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+
+
+PREBUILD = """
+import time
+from deepspeed.accelerator import get_accelerator
+for name in ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder"):
+    builder = get_accelerator().create_op_builder(name)
+    if builder is not None and builder.is_compatible(verbose=False):
+        start = time.time()
+        builder.load(verbose=False)
+        print(f"{builder.NAME}: {time.time() - start:.0f} s")
+"""
+
+
+def pytest_sessionstart(session):
+    """Build DeepSpeed's JIT ops once, before any test, in this environment's own folder: a fresh clone then
+    builds them here (~2-3 min on 2 cores) instead of inside the first launcher test, under its timeout, and a
+    build killed elsewhere (another clone, a stopped session) cannot leave a lock that hangs every later run."""
+    import importlib.util
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    clear_stale_build_locks(min_age_s=0)
+    if importlib.util.find_spec("deepspeed") is None:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    say = reporter.write_line if reporter else print
+    say(f"building DeepSpeed's ops in {os.environ['TORCH_EXTENSIONS_DIR']} (once per environment)")
+    try:
+        built = run([PYTHON, "-c", PREBUILD], timeout=1800)
+    except subprocess.TimeoutExpired:
+        say("building DeepSpeed's ops took over 30 min; the DeepSpeed tests will build them themselves")
+        return
+    say(" ".join(built.stdout.split("\n")) if built.returncode == 0 else
+        f"building DeepSpeed's ops failed (the DeepSpeed tests will show why):\n{built.stderr[-2000:]}")
 
 
 def free_port() -> int:
@@ -35,6 +71,7 @@ def run(cmd, timeout=600, env=None, cwd=REPO):
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
+        clear_stale_build_locks(min_age_s=0)  # a rank killed while loading a DeepSpeed op must not hang the rest
         raise subprocess.TimeoutExpired(args, timeout, output=stdout, stderr=stderr) from None
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
@@ -95,7 +132,7 @@ GLUE_COMMON = ["--max_seq_length", "32", "--logging_steps", "1", "--dropout", "0
                "--report_to", "none", "--disable_tqdm", "true", "--seed", "7"]
 
 
-def launch(kind, output_dir, *flags, ranks=2, timeout=900):
+def launch(kind, output_dir, *flags, ranks=2, timeout=900, env=None):
     """Run examples/run_glue.py single-process or under a real launcher; fail with the log on error."""
     flags = [str(f) for f in flags]
     if kind == "single":
@@ -108,7 +145,7 @@ def launch(kind, output_dir, *flags, ranks=2, timeout=900):
         cmd = [BIN / "deepspeed", "--num_gpus", ranks, "--master_port", free_port(), GLUE]
     else:
         raise ValueError(kind)
-    out = run([*cmd, "--output_dir", output_dir, *GLUE_COMMON, *flags], timeout=timeout)
+    out = run([*cmd, "--output_dir", output_dir, *GLUE_COMMON, *flags], timeout=timeout, env=env)
     assert out.returncode == 0, f"{kind} failed:\n{out.stdout[-4000:]}\n{out.stderr[-6000:]}"
     return out
 

@@ -1,0 +1,52 @@
+"""A DeepSpeed op-build lock left by a killed job must not hang later runs; a live builder's lock must stay."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from conftest import REPO, launch
+from trainer_ext.build_locks import clear_stale_build_locks
+
+HOUR_AGO = time.time() - 3600
+
+
+def make_lock(root, op, age_s=3600.0):
+    lock = root / "py311_cpu" / op / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    os.utime(lock, (time.time() - age_s, time.time() - age_s))
+    return lock
+
+
+def test_only_old_unheld_locks_are_removed(tmp_path):
+    """A stale lock is removed; a young one (a builder we may have raced) and a held one are kept."""
+    stale, young = make_lock(tmp_path, "fused_adam"), make_lock(tmp_path, "cpu_adam", age_s=1)
+    held = make_lock(tmp_path, "deepspeed_shm_comm")
+    # Another process holds it the way torch's FileBaton does: the descriptor stays open for the whole build.
+    holder = subprocess.Popen([sys.executable, "-c", f"import os, time; fd = os.open({str(held)!r}, os.O_RDONLY); "
+                               "print('open', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        assert clear_stale_build_locks([tmp_path]) == [stale]
+        assert not stale.exists() and young.exists() and held.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert clear_stale_build_locks([tmp_path]) == [held]  # its holder is gone now
+
+
+def test_a_deepspeed_run_proceeds_past_a_stale_lock(tmp_path):
+    """Without the clean-up, DeepSpeed waits forever on a lock a killed run left in its op folders."""
+    built = tmp_path / "torch_extensions"
+    shutil.copytree(os.environ["TORCH_EXTENSIONS_DIR"], built)  # the ops conftest built, with their mtimes
+    locks = [built / op / "lock" for op in ("deepspeed_shm_comm", "fused_adam") if (built / op).is_dir()]
+    for lock in locks:
+        lock.touch()
+        os.utime(lock, (HOUR_AGO, HOUR_AGO))
+    out = launch("deepspeed", tmp_path / "out", "--deepspeed", REPO / "ds_configs" / "zero2_minimal.json",
+                 "--do_train", "--max_steps", "2", "--per_device_train_batch_size", "4", "--save_strategy", "no",
+                 env={"TORCH_EXTENSIONS_DIR": str(built)}, timeout=400)
+    assert locks and "removed stale op-build lock" in out.stdout + out.stderr
+    assert not any(lock.exists() for lock in locks)
