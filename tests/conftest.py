@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_ext.build_locks import clear_stale_build_locks
+from trainer_ext.leftovers import clear_stale_build_locks
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from .build_locks import clear_stale_build_locks
+from .leftovers import clear_leftovers
 from .deepspeed_config import DeepSpeedConfigError, load_deepspeed_config, resolve_deepspeed_config
 from .options import (FP16_BACKENDS, FP16_OPT_LEVELS, SHARDED_DDP_OPTIONS, ArgumentsError, check_fp16_backend,
                       check_fp16_device, check_sharded_ddp_machine, merge_warmup_ratio, parse_class_weights,
@@ -76,7 +76,7 @@ class ExtTrainingArguments(TrainingArguments):
         self.deepspeed_user_config = None  # the file as given; re-resolved once the step count is known
         self.deepspeed_resolution = None
         if self.deepspeed:
-            clear_stale_build_locks()  # before transformers' set-up loads DeepSpeed's communication op
+            clear_leftovers()  # before transformers' set-up loads DeepSpeed's communication op
             self.deepspeed_user_config, origin = load_deepspeed_config(self.deepspeed)
             resolution = resolve_deepspeed_config(self, self.deepspeed_user_config, final=False)
             for flag, value in resolution.effective_flags.items():

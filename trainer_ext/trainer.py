@@ -18,6 +18,7 @@ from .backends import select_backend
 from .checkpoint import (DATA_STATE, check_compatible, model_fingerprint, newest_valid_checkpoint, problem_with,
                          publish, read_data_state, rotate, staging_dir)
 from .data.samplers import ResumableBatchSampler
+from .leftovers import remove_own_shm_buffer
 from .preemption import Preempted, PreemptionCallback
 from .settings import OptimizerSettings, SchedulerSettings
 
@@ -346,25 +347,10 @@ def _release_process_group_at_exit() -> None:
         gc.collect()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        _remove_deepspeed_shm_buffer()
+        remove_own_shm_buffer()
 
     atexit.register(release)
     _RELEASE_REGISTERED.append(release)
-
-
-def _remove_deepspeed_shm_buffer() -> None:
-    """DeepSpeed's CPU all-reduce (shm.cpp) creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
-    and never unlinks it: every 2-rank CPU run would leave ~140 MB of RAM behind. Each rank removes its own at exit
-    (the peers' mappings stay valid)."""
-    import os
-
-    addr, port, rank = (os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK"))
-    if addr and port and rank is not None:
-        path = Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
-        try:
-            path.unlink(missing_ok=True)
-        except OSError:
-            pass
 
 
 def _check_process_group(args) -> None:

@@ -30,10 +30,10 @@ class DeepSpeedBackend(Backend):
             raise ImportError(f"--deepspeed needs DeepSpeed, which is not installed: {INSTALL}")
         import torch
 
-        from ..build_locks import clear_stale_build_locks
+        from ..leftovers import clear_leftovers
         from ..options import check_fp16_device
 
-        clear_stale_build_locks()  # DeepSpeed loads its optimizer op later, in deepspeed.initialize
+        clear_leftovers()  # DeepSpeed loads its optimizer op later, in deepspeed.initialize
 
         # Plain TrainingArguments never ran our parse-time checks: the file may enable fp16 on a CPU machine.
         user_config = getattr(args, "deepspeed_user_config", None) or args.deepspeed

@@ -1,4 +1,4 @@
-"""A DeepSpeed op-build lock left by a killed job must not hang later runs; a live builder's lock must stay."""
+"""What a killed DeepSpeed job leaves behind (an op-build lock, a shared-memory buffer) must not hang or fill later runs."""
 
 import os
 import shutil
@@ -7,7 +7,7 @@ import sys
 import time
 
 from conftest import REPO, launch
-from trainer_ext.build_locks import clear_stale_build_locks
+from trainer_ext.leftovers import clear_stale_build_locks
 
 HOUR_AGO = time.time() - 3600
 
@@ -50,3 +50,27 @@ def test_a_deepspeed_run_proceeds_past_a_stale_lock(tmp_path):
                  env={"TORCH_EXTENSIONS_DIR": str(built)}, timeout=400)
     assert locks and "removed stale op-build lock" in out.stdout + out.stderr
     assert not any(lock.exists() for lock in locks)
+
+
+def test_unmapped_shm_buffers_are_removed_and_mapped_ones_kept(tmp_path):
+    """A killed rank's all-reduce buffer (~66 MB of RAM) is freed; a live rank's mapping is never touched."""
+    from trainer_ext.leftovers import clear_stale_shm_buffers
+
+    def buffer(port):
+        path = tmp_path / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_0"
+        path.write_bytes(b"\0" * 4096)
+        os.utime(path, (HOUR_AGO, HOUR_AGO))
+        return path
+
+    orphan, mapped = buffer(1111), buffer(2222)
+    # A live rank maps its buffer and closes the descriptor, as shm.cpp does.
+    holder = subprocess.Popen([sys.executable, "-c", "import mmap, os, time\n"
+                               f"fd = os.open({str(mapped)!r}, os.O_RDWR); m = mmap.mmap(fd, 4096); os.close(fd)\n"
+                               "print('mapped', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        assert clear_stale_shm_buffers(tmp_path) == [orphan]
+        assert mapped.exists()
+    finally:
+        holder.kill()
+        holder.wait()
