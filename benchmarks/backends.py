@@ -40,6 +40,8 @@ class Config:
     backend: str  # the planner's name for the formula to compare with
     flags: tuple = ()
     notes: str = ""
+    env: tuple = ()  # (name, value) pairs for the launcher's environment
+    stock: str = ""  # for an ExtTrainer row: the stock-Trainer row that runs the same thing (overhead column)
 
 
 def zero2_json(**change) -> str:
@@ -51,12 +53,17 @@ def zero2_json(**change) -> str:
 
 CONFIGS = [
     Config("DDP, stock Trainer", "stock", "torchrun", "ddp"),
-    Config("DDP, ExtTrainer", "ext", "torchrun", "ddp"),
-    # The same DeepSpeed file for both trainers, so the difference is the Trainer alone.
+    Config("DDP, ExtTrainer", "ext", "torchrun", "ddp", stock="DDP, stock Trainer"),
+    # The same DeepSpeed file for both trainers. The deepspeed launcher sets no OMP_NUM_THREADS (torchrun sets 1), so
+    # stock CPU ranks each run one thread per core; ExtTrainer gives each rank its share. The OMP_NUM_THREADS=1 row
+    # runs stock with ExtTrainer's threads, so that the overhead column compares the Trainers alone.
     Config("ZeRO-2, stock Trainer (zero2_auto.json)", "stock", "deepspeed", "zero2",
            ("--deepspeed", "ds_configs/zero2_auto.json")),
+    Config("ZeRO-2, stock Trainer (zero2_auto.json, OMP_NUM_THREADS=1)", "stock", "deepspeed", "zero2",
+           ("--deepspeed", "ds_configs/zero2_auto.json"), env=(("OMP_NUM_THREADS", "1"),)),
     Config("ZeRO-2, ExtTrainer (zero2_auto.json)", "ext", "deepspeed", "zero2",
-           ("--deepspeed", "ds_configs/zero2_auto.json")),
+           ("--deepspeed", "ds_configs/zero2_auto.json"),
+           stock="ZeRO-2, stock Trainer (zero2_auto.json, OMP_NUM_THREADS=1)"),
     Config("ZeRO-2, ExtTrainer (zero2_minimal: our defaults)", "ext", "deepspeed", "zero2",
            ("--deepspeed", "zero2_minimal")),
     # Small-scale candidates: on CPU ranks DeepSpeed has no side streams (overlap_comm overlaps nothing) and
@@ -108,6 +115,7 @@ def command(config: Config, ranks: int, precision: str, steps: int, out: Path, c
 def run_once(config, ranks, precision, steps, root: Path, cuda: bool) -> dict:
     out = Path(tempfile.mkdtemp(prefix="run-", dir=root))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(config.env)
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
         [str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     started = time.perf_counter()
@@ -121,9 +129,10 @@ def run_once(config, ranks, precision, steps, root: Path, cuda: bool) -> dict:
 
 
 def samples_per_second(report: dict, warmup: int, global_batch: int) -> float:
-    """Steady state: from the end of step `warmup` to the end of the last step (data loading and logging included)."""
-    ends = report["step_end_times"]
-    return global_batch * (len(ends) - warmup) / (ends[-1] - ends[warmup - 1])
+    """Steady state: the global batch over the median time between step ends after step `warmup` (data loading and
+    logging included); a median, so that a burst of load from elsewhere on a shared machine moves it little."""
+    ends = report["step_end_times"][warmup - 1:]
+    return global_batch / statistics.median(b - a for a, b in zip(ends, ends[1:]))
 
 
 def model_flops_per_token(num_parameters: int, layers: int, hidden: int, seq_length: int) -> float:
@@ -166,13 +175,16 @@ def summarise(results: dict, ranks: int, steps: int, warmup: int, seq_length: in
 def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
     by_name = {(r["name"], r["precision"]): r for r in rows}
     lines = [f"# Backends on {meta['ranks']} ranks: throughput, per-rank memory, losses", "",
-             f"Made by `python benchmarks/backends.py --steps {meta['steps']} --repeats {meta['repeats']}` on "
+             f"Made by `python benchmarks/backends.py --steps {meta['steps']} --warmup {meta['warmup']} --repeats "
+             f"{meta['repeats']}{' --only ' + ' '.join(repr(o) for o in meta['only']) if meta.get('only') else ''}` on "
              f"{meta['device']} ({meta['started']}, {meta['minutes']:.0f} min). MiniLM-L6 classifier "
              f"({rows[0]['num_parameters']:,} parameters), shipped classification set padded to "
-             f"{meta['seq_length']} tokens, 16 per rank, AdamW 5e-5, dropout off. The {len(CONFIGS)} configurations "
+             f"{meta['seq_length']} tokens, 16 per rank, AdamW 5e-5, dropout off. The {meta.get('configs', len(CONFIGS))} "
+             "configurations "
              f"run one after another in each repeat (order reversed on odd repeats), so load from other work on this "
-             f"shared machine hits them alike; samples/s counts steps {meta['warmup'] + 1}-{meta['steps']} "
-             "(data loading and logging included), median over repeats.", ""]
+             f"shared machine hits them alike; samples/s = global batch / median time between step ends over steps "
+             f"{meta['warmup'] + 1}-{meta['steps']} (data loading and logging included), then the median over "
+             "repeats.", ""]
     for precision in meta["precisions"]:
         cuda = precision != "fp32" or meta["cuda"]
         lines += [f"## Throughput ({precision})", "",
@@ -184,8 +196,7 @@ def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
             if row is None:
                 continue
             ddp = by_name[(BASELINE[config.trainer], precision)]["samples_per_second"]
-            stock = next((by_name[(c.name, precision)] for c in CONFIGS if c.trainer == "stock"
-                          and c.flags == config.flags and (c.name, precision) in by_name), None)
+            stock = by_name.get((config.stock, precision))
             overhead = (f"{row['samples_per_second'] / stock['samples_per_second']:.3f}"
                         if config.trainer == "ext" and stock else "")
             line = (f"| {config.name} | {row['samples_per_second']:.2f} | "
@@ -300,7 +311,7 @@ def main():
                       f"{samples_per_second(run['reports'][0], args.warmup, 16 * args.ranks):.2f} samples/s "
                       f"({run['wall_seconds']:.0f} s)", flush=True)
         # Written after every repeat: a run cut short on a busy machine still leaves complete tables.
-        meta = {"ranks": args.ranks, "steps": args.steps, "repeats": repeat + 1, "warmup": args.warmup,
+        meta = {"only": args.only, "configs": len(configs), "ranks": args.ranks, "steps": args.steps, "repeats": repeat + 1, "warmup": args.warmup,
                 "seq_length": 64, "device": device, "cuda": cuda, "precisions": precisions, "started": started,
                 "minutes": (time.perf_counter() - clock) / 60}
         write_results(Path(args.results), summarise(results, args.ranks, args.steps, args.warmup, 64, device), meta)

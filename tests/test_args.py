@@ -1,6 +1,7 @@
 """ExtTrainingArguments: v4 flags, validation at parse time, and parsing under the real launchers."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,7 @@ def test_torchrun_forms_one_group_on_cpu(tmp_path):
     ranks = parsed(tmp_path)
     assert sorted(ranks) == [0, 1], out.stderr[-3000:]
     assert all(ranks[r]["world_size"] == 2 for r in (0, 1))
+    assert all(ranks[r]["threads"] == 1 for r in (0, 1))  # torchrun's OMP_NUM_THREADS=1, left as it is
 
 
 def test_deepspeed_launcher_local_rank_and_batch_fields(tmp_path):
@@ -137,3 +139,27 @@ def test_deepspeed_launcher_local_rank_and_batch_fields(tmp_path):
     for rank in (0, 1):
         assert ranks[rank]["local_rank"] == rank and ranks[rank]["world_size"] == 2
         assert ranks[rank]["deepspeed"]["train_batch_size"] == 24
+        # The deepspeed launcher sets no OMP_NUM_THREADS: each CPU rank gets its share of the cores, not all.
+        assert ranks[rank]["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+def test_cpu_ranks_share_the_cores_unless_the_user_chose(monkeypatch):
+    """N ranks each running one thread per core oversubscribe the machine N times."""
+    import torch
+
+    from trainer_ext.args import share_cores_between_cpu_ranks
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        monkeypatch.setenv("LOCAL_SIZE", "2")  # the deepspeed launcher's name for it
+        cores = len(os.sched_getaffinity(0))
+        assert share_cores_between_cpu_ranks() == max(1, cores // 2) == torch.get_num_threads()
+        assert os.environ["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+        assert share_cores_between_cpu_ranks() is None  # a number the user (or torchrun) set is kept
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setenv("LOCAL_SIZE", "1")
+        assert share_cores_between_cpu_ranks() is None  # one rank keeps every core
+    finally:
+        torch.set_num_threads(before)

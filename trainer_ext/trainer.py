@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from transformers import Trainer
 
 from . import progress
+from .args import share_cores_between_cpu_ranks
 from .backends import select_backend
 from .checkpoint import (DATA_STATE, check_compatible, model_fingerprint, newest_valid_checkpoint, problem_with,
                          publish, read_data_state, rotate, staging_dir)
@@ -43,6 +44,8 @@ class ExtTrainer(Trainer):
             self.backend.check(args)
         super().__init__(model, args, *positional, **kwargs)
         _check_process_group(self.args)
+        if self.args.device.type == "cpu":
+            share_cores_between_cpu_ranks()  # ExtTrainingArguments did already; plain TrainingArguments did not
         _release_process_group_at_exit()
         _TRAINERS.add(self)
         self.loss_fn = loss_fn

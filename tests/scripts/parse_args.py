@@ -4,6 +4,8 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from trainer_ext import ExtArgumentParser, ExtTrainingArguments
 
 (args,) = ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses()
@@ -20,6 +22,7 @@ values = {
     "weight_decay": args.weight_decay,
     "warmup_steps": args.warmup_steps,
     "deepspeed": args.deepspeed,
+    "threads": torch.get_num_threads(),
 }
 # One file per rank: lines printed by two ranks at once can interleave.
 Path(args.output_dir).mkdir(parents=True, exist_ok=True)
