@@ -39,10 +39,16 @@ VARIANTS = {
     "no_contiguous_gradients": {"contiguous_gradients": False},
     "buckets_hidden2": {"reduce_bucket_size": 384 * 384, "allgather_bucket_size": 384 * 384},
     "no_overlap_no_reduce_scatter": {"overlap_comm": False, "reduce_scatter": False},
+    # DeepSpeed's `torch_adam` option: torch's AdamW (here fused, as the Trainer's default) on each partition
+    # instead of DeepSpeed's own CPU Adam op.
+    "torch_fused_adamw": {"overlap_comm": False, "reduce_scatter": False, "optimizer": {"torch_adam": True,
+                                                                                       "fused": True}},
 }
 
 
 def engine_for(build, zero, steps):
+    zero = dict(zero)
+    optimizer_params = zero.pop("optimizer", {})
     import deepspeed
 
     from trainer_ext.deepspeed_config import build_deepspeed_config
@@ -50,6 +56,7 @@ def engine_for(build, zero, steps):
     flags = {"per_device_train_batch_size": 16, "learning_rate": 5e-5, "max_grad_norm": 1.0}
     config = build_deepspeed_config(flags, world_size=dist.get_world_size(), num_training_steps=steps,
                                     config={"zero_optimization": zero})
+    config["optimizer"]["params"].update(optimizer_params)
     engine, *_ = deepspeed.initialize(model=build(), model_parameters=None, config=config)
     return engine
 
@@ -76,7 +83,7 @@ def main():
     def make(name):
         if name == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(build())
-            return model, torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.0)
+            return model, torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.0, fused=True)  # the Trainer's default
         return engine_for(build, {**CLASSIC, **VARIANTS[name]}, args.steps + 1), None
 
     def step(model, optimizer, batch, name, timed):

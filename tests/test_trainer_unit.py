@@ -24,7 +24,7 @@ def fixed_batch(labels=(0, 1, 1, 0, 1)):
 
 
 def trainer_for(tmp_path, model, **kwargs):
-    arg_names = {"class_weights", "label_smoothing_factor"}
+    arg_names = {"class_weights", "label_smoothing_factor", "optim"}
     args = ExtTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
                                 **{k: v for k, v in kwargs.items() if k in arg_names})
     return ExtTrainer(model=model, args=args, **{k: v for k, v in kwargs.items() if k not in arg_names})
@@ -109,6 +109,21 @@ def test_optimizer_has_no_weight_decay_on_bias_and_layernorm(tmp_path):
     assert all("bias" not in n and "LayerNorm" not in n for n in decayed)
     assert any("bias" in n for n in plain) and any("LayerNorm" in n for n in plain)
     assert len(decayed) + len(plain) == len(list(model.parameters()))
+
+
+def test_optim_flag_picks_the_optimizer_as_the_trainer_does(tmp_path):
+    """--optim was ignored (always the slow for-loop AdamW); transformers' own mapping is the oracle."""
+    from transformers import Trainer
+    from transformers.optimization import Adafactor
+
+    for optim, expected_cls, expected_options in (("adamw_torch_fused", torch.optim.AdamW, {"fused": True}),
+                                                  ("adamw_torch", torch.optim.AdamW, {"fused": None}),
+                                                  ("adafactor", Adafactor, {"relative_step": False})):
+        trainer = trainer_for(tmp_path, tiny_bert(), optim=optim, optimizer_settings=OptimizerSettings(lr=1e-3))
+        optimizer = trainer.create_optimizer()
+        assert type(optimizer) is expected_cls is Trainer.get_optimizer_cls_and_kwargs(trainer.args)[0]
+        group = optimizer.param_groups[0]
+        assert group["lr"] == 1e-3 and all(group[k] == v for k, v in expected_options.items())
 
 
 def test_settings_from_dict_reject_unknown_keys():

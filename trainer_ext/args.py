@@ -104,7 +104,8 @@ class ExtTrainingArguments(TrainingArguments):
         if self.deepspeed:
             clear_leftovers()  # before transformers' set-up loads DeepSpeed's communication op
             self.deepspeed_user_config, origin = load_deepspeed_config(self.deepspeed)
-            resolution = resolve_deepspeed_config(self, self.deepspeed_user_config, final=False)
+            resolution = resolve_deepspeed_config(self, self.deepspeed_user_config, final=False,
+                                                  cpu_ranks=self.use_cpu or not accelerator_available())
             for flag, value in resolution.effective_flags.items():
                 setattr(self, flag, value)  # so logs and the Trainer tell the truth
             self.deepspeed_resolution = resolution

@@ -37,7 +37,10 @@ class DeepSpeedBackend(Backend):
 
         # Plain TrainingArguments never ran our parse-time checks: the file may enable fp16 on a CPU machine.
         user_config = getattr(args, "deepspeed_user_config", None) or args.deepspeed
-        resolution = resolve_deepspeed_config(args, user_config, final=False)
+        from ..args import accelerator_available
+
+        resolution = resolve_deepspeed_config(args, user_config, final=False,
+                                              cpu_ranks=bool(getattr(args, "use_cpu", False)) or not accelerator_available())
         fp16 = resolution.config.get("fp16", {}).get("enabled") is True
         check_fp16_device(fp16, torch.cuda.is_available(), "fp16" in resolution.effective_flags)
 
@@ -48,7 +51,8 @@ class DeepSpeedBackend(Backend):
         # ExtTrainingArguments keeps the file as the user wrote it; plain TrainingArguments keep `deepspeed` as is.
         user_config = getattr(args, "deepspeed_user_config", None) or args.deepspeed
         self.resolution = resolve_deepspeed_config(args, user_config, world_size=args.world_size,
-                                                   num_training_steps=num_training_steps, hidden_size=hidden_size)
+                                                   num_training_steps=num_training_steps, hidden_size=hidden_size,
+                                                   cpu_ranks=args.device.type == "cpu")
         for flag, value in self.resolution.effective_flags.items():
             if hasattr(args, flag):
                 setattr(args, flag, value)
