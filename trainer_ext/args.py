@@ -38,9 +38,9 @@ def local_ranks() -> int:
 
 def share_cores_between_cpu_ranks() -> int | None:
     """torchrun and torch.distributed.launch give each of several ranks OMP_NUM_THREADS=1; the deepspeed launcher
-    sets nothing, so each CPU rank starts one thread per core and N ranks oversubscribe the machine N times
-    (measured on 2 cores: ZeRO-2 at 0.75x DDP's samples/s, all of it from threads). Give each rank its share of
-    the cores unless the user chose a number. Returns the threads set, or None."""
+    sets nothing, so each CPU rank starts one thread per core and N ranks ask for N times the machine. Give each rank
+    its share of the cores, as torchrun would, unless the user chose a number (on 2 cores and MiniLM the stock
+    Trainer measured the same either way: benchmarks/results/backends.md). Returns the threads set, or None."""
     ranks = local_ranks()
     if "OMP_NUM_THREADS" in os.environ or ranks < 2:
         return None
