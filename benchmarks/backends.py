@@ -12,6 +12,7 @@ and peak CUDA memory."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -247,15 +248,16 @@ def write_figure(path: Path, rows: list[dict], precision: str, ranks: int) -> No
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if r["precision"] == precision]
-    figure, (curves, bars) = plt.subplots(1, 2, figsize=(15, 5.5))
-    for row, style in zip(rows, ["-", "--", "-", "--", ":", "-.", ":"]):
-        curves.plot(range(1, len(row["losses"]) + 1), row["losses"], style, label=row["name"], linewidth=1.4)
+    figure, (curves, bars) = plt.subplots(1, 2, figsize=(16, 6.5))
+    for number, (row, style) in enumerate(zip(rows, itertools.cycle(["-", "--", ":", "-."])), 1):
+        curves.plot(range(1, len(row["losses"]) + 1), row["losses"], style, label=f"{number}: {row['name']}",
+                    linewidth=1.4)
     curves.set(xlabel="step", ylabel="training loss (rank 0)", title=f"Loss curves ({precision})")
     curves.legend(fontsize=7)
     labels, bottoms = [], []
     parts = [("params", "#4c72b0"), ("grads", "#dd8452"), ("moments", "#55a868"), ("master", "#c44e52")]
     position = 0
-    for row in rows:
+    for number, row in enumerate(rows, 1):
         for rank in row["per_rank"]:
             bottom = 0.0
             for part, color in parts:
@@ -264,12 +266,14 @@ def write_figure(path: Path, rows: list[dict], precision: str, ranks: int) -> No
                 bottom += value
             bars.plot([position - 0.4, position + 0.4], [predicted_model_states(row, ranks) / MIB] * 2, color="black", linewidth=1,
                       label="planner formula" if position == 0 else None)
-            labels.append(f"{row['name'].replace(', ', chr(10))}\nrank {rank['rank']}")
+            labels.append(f"{number}\nr{rank['rank']}")  # the configuration's number in the loss legend
             bottoms.append(position)
             position += 1
         position += 0.5
-    bars.set_xticks(bottoms, labels, fontsize=5.5)
-    bars.set(ylabel="MiB per rank", title="Per-rank model states (measured; line: planner)")
+    bars.set_ylim(0, bars.get_ylim()[1] * 1.08)  # room above the tallest bar for its planner line
+    bars.set_xticks(bottoms, labels, fontsize=8)
+    bars.set(ylabel="MiB per rank", xlabel="configuration (numbered as in the loss legend), rank",
+             title="Per-rank model states (measured; line: planner)")
     bars.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
