@@ -58,6 +58,11 @@ def accelerator_available() -> bool:
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
+def cpu_ranks(args) -> bool:
+    """Whether these arguments train on CPUs (before the device exists): --use_cpu, or no accelerator at all."""
+    return bool(getattr(args, "use_cpu", False)) or not accelerator_available()
+
+
 @dataclass
 class ExtTrainingArguments(TrainingArguments):
     sharded_ddp: list[str] | None = field(
@@ -105,7 +110,7 @@ class ExtTrainingArguments(TrainingArguments):
             clear_leftovers()  # before transformers' set-up loads DeepSpeed's communication op
             self.deepspeed_user_config, origin = load_deepspeed_config(self.deepspeed)
             resolution = resolve_deepspeed_config(self, self.deepspeed_user_config, final=False,
-                                                  cpu_ranks=self.use_cpu or not accelerator_available())
+                                                  cpu_ranks=cpu_ranks(self))
             for flag, value in resolution.effective_flags.items():
                 setattr(self, flag, value)  # so logs and the Trainer tell the truth
             self.deepspeed_resolution = resolution
@@ -119,7 +124,7 @@ class ExtTrainingArguments(TrainingArguments):
             logger.warning("%d ranks launched and no GPU: setting --use_cpu so the ranks form one gloo "
                            "process group", launched_world_size())
             self.use_cpu = True
-        if self.use_cpu or not accelerator_available():
+        if cpu_ranks(self):
             share_cores_between_cpu_ranks()
         super().__post_init__()
 

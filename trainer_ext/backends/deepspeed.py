@@ -30,6 +30,7 @@ class DeepSpeedBackend(Backend):
             raise ImportError(f"--deepspeed needs DeepSpeed, which is not installed: {INSTALL}")
         import torch
 
+        from ..args import cpu_ranks
         from ..leftovers import clear_leftovers
         from ..options import check_fp16_device
 
@@ -37,10 +38,7 @@ class DeepSpeedBackend(Backend):
 
         # Plain TrainingArguments never ran our parse-time checks: the file may enable fp16 on a CPU machine.
         user_config = getattr(args, "deepspeed_user_config", None) or args.deepspeed
-        from ..args import accelerator_available
-
-        resolution = resolve_deepspeed_config(args, user_config, final=False,
-                                              cpu_ranks=bool(getattr(args, "use_cpu", False)) or not accelerator_available())
+        resolution = resolve_deepspeed_config(args, user_config, final=False, cpu_ranks=cpu_ranks(args))
         fp16 = resolution.config.get("fp16", {}).get("enabled") is True
         check_fp16_device(fp16, torch.cuda.is_available(), "fp16" in resolution.effective_flags)
 
