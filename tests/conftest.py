@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainer_ext.leftovers import clear_stale_build_locks
 
@@ -124,6 +125,15 @@ def deepspeed_accepts():
 @pytest.fixture(autouse=True)
 def _no_world_size_env(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def requires_cuda(test):
+    """A CUDA-only test: marked `cuda` (`make gpu-check` runs exactly these), skipped cleanly without a GPU."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
+
+
+# tests/scripts/tiny_train.py: a BERT built from a config on random ids; GPU tests use it (no 83 MB model package).
+TINY_TRAIN = REPO / "tests" / "scripts" / "tiny_train.py"
 
 
 GLUE = REPO / "examples" / "run_glue.py"

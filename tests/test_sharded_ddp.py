@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from conftest import (ACCUMULATE, PLAIN, PYTHON, REPO, STEPS, assert_same_training, free_port, launch, logged,
-                      max_weight_difference, run)
+                      max_weight_difference, requires_cuda, run)
 from trainer_ext.options import ArgumentsError, check_sharded_ddp_machine
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SCRIPT = REPO / "tests" / "scripts" / "parse_args.py"
 
 

@@ -1,0 +1,39 @@
+"""Train a BERT built from a config (no model package, no network) on seeded random token ids with ExtTrainer and
+ExtTrainingArguments, under any launcher and backend: the model for tests that must run on a GPU machine that has
+only the repository. `--model_size tiny|small` picks the shape; every other flag is an ExtTrainingArguments flag.
+The run's per-step losses and grad norms are in output_dir/trainer_state.json, the final model in output_dir."""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from trainer_ext import ExtArgumentParser, ExtTrainer, ExtTrainingArguments  # noqa: E402
+
+SHAPES = {  # dropout off: every backend and precision sees the same function
+    "tiny": dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
+    "small": dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
+}
+
+own = argparse.ArgumentParser(add_help=False)
+own.add_argument("--model_size", choices=sorted(SHAPES), default="tiny")
+own.add_argument("--num_samples", type=int, default=512)
+own.add_argument("--seq_length", type=int, default=16)
+mine, rest = own.parse_known_args()
+(args,) = ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses(rest)
+
+torch.manual_seed(0)
+shape = SHAPES[mine.model_size]
+config = BertConfig(**shape, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+model = BertForSequenceClassification(config)
+generator = torch.Generator().manual_seed(1)
+ids = torch.randint(1, shape["vocab_size"], (mine.num_samples, mine.seq_length), generator=generator)
+labels = (ids[:, 0] > shape["vocab_size"] // 2).long()  # a signal the model can learn
+train = [{"input_ids": ids[i], "labels": labels[i]} for i in range(len(ids))]
+
+trainer = ExtTrainer(model=model, args=args, train_dataset=train)
+trainer.train()
+trainer.save_model()
