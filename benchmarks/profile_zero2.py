@@ -39,6 +39,11 @@ VARIANTS = {
     "no_contiguous_gradients": {"contiguous_gradients": False},
     "buckets_hidden2": {"reduce_bucket_size": 384 * 384, "allgather_bucket_size": 384 * 384},
     "no_overlap_no_reduce_scatter": {"overlap_comm": False, "reduce_scatter": False},
+    "no_overlap_no_reduce_scatter_no_contiguous": {"overlap_comm": False, "reduce_scatter": False,
+                                                   "contiguous_gradients": False},
+    # --bf16 only: DeepSpeed's per-parameter overflow scan replaced by the gradient-norm test (ExtTrainer's default)
+    "no_overlap_no_reduce_scatter_norm_overflow": {"overlap_comm": False, "reduce_scatter": False,
+                                                   "norm_overflow": True},
     # DeepSpeed's `torch_adam` option: torch's AdamW (here fused, as the Trainer's default) on each partition
     # instead of DeepSpeed's own CPU Adam op.
     "torch_fused_adamw": {"overlap_comm": False, "reduce_scatter": False, "optimizer": {"torch_adam": True,
@@ -46,18 +51,23 @@ VARIANTS = {
 }
 
 
-def engine_for(build, zero, steps):
+def engine_for(build, zero, steps, bf16=False):
     zero = dict(zero)
     optimizer_params = zero.pop("optimizer", {})
+    norm_overflow = zero.pop("norm_overflow", False)
     import deepspeed
 
+    from trainer_ext.backends.deepspeed import check_overflow_by_norm
     from trainer_ext.deepspeed_config import build_deepspeed_config
 
-    flags = {"per_device_train_batch_size": 16, "learning_rate": 5e-5, "max_grad_norm": 1.0}
+    flags = {"per_device_train_batch_size": 16, "learning_rate": 5e-5, "max_grad_norm": 1.0, "bf16": bf16}
     config = build_deepspeed_config(flags, world_size=dist.get_world_size(), num_training_steps=steps,
-                                    config={"zero_optimization": zero})
+                                    config={"zero_optimization": zero}, cpu_ranks=True)
+    config["zero_optimization"].update(zero)  # exactly the variant's values, whatever the defaults
     config["optimizer"]["params"].update(optimizer_params)
     engine, *_ = deepspeed.initialize(model=build(), model_parameters=None, config=config)
+    if norm_overflow:
+        check_overflow_by_norm(engine.optimizer)
     return engine
 
 
@@ -68,6 +78,7 @@ def main():
     parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
     parser.add_argument("--variants", nargs="*", choices=list(VARIANTS), help="default: all")
     parser.add_argument("--torch_profile", action="store_true", help="also print torch.profiler's top ops per variant")
+    parser.add_argument("--bf16", action="store_true", help="DeepSpeed bf16 (no DDP row: it would run fp32)")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "profile_zero2.json"))
     args = parser.parse_args()
 
@@ -76,7 +87,7 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     build, batches = model_and_batches(world_size, rank, 16, 64, args.steps + 1)
-    names = ["ddp", *(args.variants or VARIANTS)]
+    names = [*([] if args.bf16 else ["ddp"]), *(args.variants or VARIANTS)]
     phases = {name: {"forward": [], "backward": [], "step": []} for name in names}
     losses = {name: [] for name in names}
 
@@ -84,7 +95,7 @@ def main():
         if name == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(build())
             return model, torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.0, fused=True)  # the Trainer's default
-        return engine_for(build, {**CLASSIC, **VARIANTS[name]}, args.steps + 1), None
+        return engine_for(build, {**CLASSIC, **VARIANTS[name]}, args.steps + 1, args.bf16), None
 
     def step(model, optimizer, batch, name, timed):
         marks = [time.perf_counter()]
@@ -131,13 +142,14 @@ def main():
                   for name, by_phase in phases.items()}
         for name in result:
             result[name]["total"] = sum(result[name].values())
-            result[name]["ratio_to_ddp_samples_per_s"] = result["ddp"]["total"] / result[name]["total"]
-            result[name]["max_loss_difference_to_classic"] = max(
-                (abs(a - b) for a, b in zip(losses[name], losses.get("classic", []))), default=float("nan"))
-        print(f"{'variant':34s} {'forward':>8s} {'backward':>9s} {'step':>8s} {'total':>8s} {'x DDP':>6s} {'dloss':>8s}")
+            result[name]["ratio_to_ddp_samples_per_s"] = result[names[0]]["total"] / result[name]["total"]
+            result[name]["max_loss_difference_to_first"] = max(
+                (abs(a - b) for a, b in zip(losses[name], losses[names[0]])), default=float("nan"))
+        print(f"{'variant':34s} {'forward':>8s} {'backward':>9s} {'step':>8s} {'total':>8s} {'x ' + names[0]:>6s} "
+              f"{'dloss':>8s}")
         for name, row in result.items():
             print(f"{name:34s} {row['forward']:8.3f} {row['backward']:9.3f} {row['step']:8.3f} {row['total']:8.3f} "
-                  f"{row['ratio_to_ddp_samples_per_s']:6.3f} {row['max_loss_difference_to_classic']:8.1e}", flush=True)
+                  f"{row['ratio_to_ddp_samples_per_s']:6.3f} {row['max_loss_difference_to_first']:8.1e}", flush=True)
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps({"steps": args.steps, "repeats": args.repeats, "seconds_per_step":
                                                  result}, indent=2) + "\n")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from trainer_ext.deepspeed_config import DeepSpeedConfigError, PRESETS, iter_fields, resolve_deepspeed_config
+from trainer_ext.deepspeed_config import DeepSpeedConfigError, PRESETS, explain, iter_fields, resolve_deepspeed_config
 
 FILES = [None, *sorted(PRESETS)]
 PRECISIONS = {"fp32": {}, "fp16": {"fp16": True}, "bf16": {"bf16": True}}
@@ -81,16 +81,57 @@ def test_classic_zero2_keeps_its_values_and_offloads(deepspeed_accepts):
     assert any("cpu_offload" in note for note in resolution.notes)
 
 
-@pytest.mark.parametrize("config", [{}, "zero2_minimal"])
-def test_overlap_and_reduce_scatter_default_by_where_the_ranks_run(deepspeed_accepts, config):
-    """On CPU ranks there are no side streams to overlap with: off there (9% shorter steps), on elsewhere."""
-    for cpu_ranks, expected in ((True, False), (False, True)):
-        resolution = resolve_deepspeed_config({"per_device_train_batch_size": 4}, config, world_size=2,
-                                              num_training_steps=10, cpu_ranks=cpu_ranks)
-        zero = deepspeed_accepts(resolution.config, 2).zero_config
-        assert zero.overlap_comm is expected and zero.reduce_scatter is expected
-        assert resolution.sources["zero_optimization.overlap_comm"].startswith("default for")
-    # A value the user wrote is theirs, on any device.
-    written = {"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_scatter": True}}
-    zero = resolve_deepspeed_config({}, written, world_size=2, num_training_steps=10, cpu_ranks=True).config
-    assert zero["zero_optimization"]["overlap_comm"] is True and zero["zero_optimization"]["reduce_scatter"] is True
+# (where the ranks run, world size) -> (overlap_comm, reduce_scatter, contiguous_gradients) as DeepSpeed parses them.
+TUNED = {("cpu", 2): (False, False, False), ("gpu", 1): (False, True, False), ("gpu", 2): (True, True, False)}
+
+
+@pytest.mark.parametrize("config", [{}, "zero2_minimal", {"zero_optimization": {"stage": 2}},
+                                    {"zero_optimization": {"stage": 1}}])
+@pytest.mark.parametrize("where,world_size", list(TUNED))
+def test_zero_defaults_by_where_the_ranks_run(deepspeed_accepts, config, where, world_size):
+    """The measured ZeRO-1/2 defaults, for fields a file leaves out or sets to "auto", as DeepSpeed itself reads them:
+    contiguous_gradients off everywhere (faster on an H100 and on CPU ranks), overlap_comm only with several GPUs,
+    reduce_scatter off on CPU ranks; each with its reason for --explain."""
+    resolution = resolve_deepspeed_config({"per_device_train_batch_size": 4}, config, world_size=world_size,
+                                          num_training_steps=10, cpu_ranks=where == "cpu")
+    zero = deepspeed_accepts(resolution.config, world_size).zero_config
+    assert (zero.overlap_comm, zero.reduce_scatter, zero.contiguous_gradients) == TUNED[(where, world_size)]
+    for key in ("overlap_comm", "reduce_scatter", "contiguous_gradients"):
+        assert resolution.sources[f"zero_optimization.{key}"].startswith("default for ")
+    assert "s/step" in resolution.sources["zero_optimization.contiguous_gradients"]  # the measurement behind it
+
+
+def test_zero_values_the_user_wrote_are_kept(deepspeed_accepts):
+    """A value in the file is the user's on any device; offload keeps contiguous gradients (DeepSpeed needs them);
+    ZeRO-3 fields are left to DeepSpeed."""
+    written = {"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_scatter": True,
+                                     "contiguous_gradients": True}}
+    for cpu_ranks in (True, False):
+        zero = resolve_deepspeed_config({}, written, world_size=2, num_training_steps=10, cpu_ranks=cpu_ranks).config
+        assert {k: zero["zero_optimization"][k] for k in ("overlap_comm", "reduce_scatter", "contiguous_gradients")} \
+            == {"overlap_comm": True, "reduce_scatter": True, "contiguous_gradients": True}
+    for config in ("zero2_offload", {"zero_optimization": {"stage": 2, "cpu_offload": True}}):
+        resolved = resolve_deepspeed_config({}, config, world_size=1, num_training_steps=10).config
+        assert deepspeed_accepts(resolved, 1).zero_config.contiguous_gradients is True
+    stage3 = resolve_deepspeed_config({}, {"zero_optimization": {"stage": 3}}, world_size=1, num_training_steps=10)
+    assert set(stage3.config["zero_optimization"]) == {"stage"}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_keeps_skipping_nonfinite_steps(deepspeed_accepts, precision):
+    """bf16 keeps DeepSpeed's check_grad_overflow on (a non-finite norm skips the step; trainer_ext drops only the
+    per-parameter scan, see tests/test_overflow_check.py); the config log and --explain say so."""
+    resolution = resolve_deepspeed_config({precision: True}, {}, world_size=1, num_training_steps=10)
+    parsed = deepspeed_accepts(resolution.config, 1)
+    assert parsed.bfloat16_config.check_grad_overflow is True
+    assert getattr(parsed, "bfloat16_config" if precision == "bf16" else "float16_config").enabled is True
+    assert any(note.startswith("overflow check: trainer_ext skips a step") for note in resolution.notes)
+    assert "overflow check" in explain(resolution)
+
+
+def test_check_grad_overflow_false_in_the_file_is_kept_with_a_warning(deepspeed_accepts):
+    """The user's false stays false (DeepSpeed then detects nothing under bf16), and the consequence is said."""
+    resolution = resolve_deepspeed_config({}, {"bf16": {"enabled": True, "check_grad_overflow": False}},
+                                          world_size=1, num_training_steps=10)
+    assert deepspeed_accepts(resolution.config, 1).bfloat16_config.check_grad_overflow is False
+    assert any("write NaN into the weights" in note for note in resolution.notes)

@@ -10,7 +10,7 @@ USAGE = """usage: trainer-ext COMMAND [options]
 commands:
   ds-config   print the complete DeepSpeed config for a file and TrainingArguments flags
               trainer-ext ds-config --deepspeed FILE|PRESET [flags] [--world_size N]
-                                    [--num_training_steps N] [--hidden_size N] [--explain]
+                                    [--num_training_steps N] [--hidden_size N] [--use_cpu] [--explain]
   train       validate an experiment file, then train it (task, hyperparameters, data, backend)
               trainer-ext train experiment.yaml [--check]
               on N ranks: torchrun --nproc_per_node N -m trainer_ext train experiment.yaml
@@ -40,7 +40,7 @@ def ds_config(argv: list[str]) -> int:
         args.warmup_steps = merge_warmup_ratio(args.warmup_steps, args.warmup_ratio)
         resolution = resolve_deepspeed_config(args, args.deepspeed or {}, world_size=args.world_size,
                                               num_training_steps=args.num_training_steps,
-                                              hidden_size=args.hidden_size)
+                                              hidden_size=args.hidden_size, cpu_ranks=args.use_cpu)
     except (ArgumentsError, DeepSpeedConfigError) as err:
         print(f"trainer-ext ds-config: error: {err}", file=sys.stderr)
         return 2

@@ -1,9 +1,12 @@
 """Train a BERT built from a config (no model package, no network) on seeded random token ids with ExtTrainer and
 ExtTrainingArguments, under any launcher and backend: the model for tests that must run on a GPU machine that has
 only the repository. `--model_size tiny|small` picks the shape; every other flag is an ExtTrainingArguments flag.
-The run's per-step losses and grad norms are in output_dir/trainer_state.json, the final model in output_dir."""
+The run's per-step losses and grad norms are in output_dir/trainer_state.json, the final model in output_dir.
+TINY_TRAIN_NONFINITE_STEPS="3" (or "3-": from step 3 on) makes the logits of those optimizer steps infinite, so their
+gradients hold inf/NaN: what a diverging run or a bad batch does to a real one."""
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +14,8 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from transformers import TrainerCallback  # noqa: E402
+
 from trainer_ext import ExtArgumentParser, ExtTrainer, ExtTrainingArguments  # noqa: E402
 
 SHAPES = {  # dropout off: every backend and precision sees the same function
@@ -34,6 +39,24 @@ ids = torch.randint(1, shape["vocab_size"], (mine.num_samples, mine.seq_length),
 labels = (ids[:, 0] > shape["vocab_size"] // 2).long()  # a signal the model can learn
 train = [{"input_ids": ids[i], "labels": labels[i]} for i in range(len(ids))]
 
-trainer = ExtTrainer(model=model, args=args, train_dataset=train)
+class NonFiniteSteps(TrainerCallback):
+    """Turns the classifier's output to inf during the optimizer steps named by TINY_TRAIN_NONFINITE_STEPS."""
+
+    def __init__(self, spec: str):
+        first, dash, last = spec.partition("-")
+        self.first = int(first)
+        self.last = int(last) if last else (None if dash else self.first)
+        self.active = False
+        model.classifier.register_forward_hook(lambda module, inputs, output: output * float("inf") if self.active
+                                               else output)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        step = state.global_step + 1
+        self.active = step >= self.first and (self.last is None or step <= self.last)
+
+
+injected = os.environ.get("TINY_TRAIN_NONFINITE_STEPS")
+trainer = ExtTrainer(model=model, args=args, train_dataset=train,
+                     callbacks=[NonFiniteSteps(injected)] if injected else None)
 trainer.train()
 trainer.save_model()
