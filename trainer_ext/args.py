@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
+from .cuda_arch import prepare_for_deepspeed
 from .leftovers import clear_leftovers
 from .deepspeed_config import DeepSpeedConfigError, load_deepspeed_config, resolve_deepspeed_config
 from .options import (FP16_BACKENDS, FP16_OPT_LEVELS, SHARDED_DDP_OPTIONS, ArgumentsError, check_fp16_backend,
@@ -108,6 +109,8 @@ class ExtTrainingArguments(TrainingArguments):
         self.deepspeed_resolution = None
         if self.deepspeed:
             clear_leftovers()  # before transformers' set-up loads DeepSpeed's communication op
+            if not cpu_ranks(self):
+                prepare_for_deepspeed()  # before any DeepSpeed op is built (FusedAdam, at the first train())
             self.deepspeed_user_config, origin = load_deepspeed_config(self.deepspeed)
             resolution = resolve_deepspeed_config(self, self.deepspeed_user_config, final=False,
                                                   cpu_ranks=cpu_ranks(self))

@@ -36,10 +36,13 @@ class DeepSpeedBackend(Backend):
             raise ImportError(f"--deepspeed needs DeepSpeed, which is not installed: {INSTALL}")
 
         from ..args import cpu_ranks
+        from ..cuda_arch import prepare_for_deepspeed
         from ..leftovers import clear_leftovers
         from ..options import check_fp16_device
 
         clear_leftovers()  # DeepSpeed loads its optimizer op later, in deepspeed.initialize
+        if not cpu_ranks(args):
+            prepare_for_deepspeed()  # plain TrainingArguments did not: DeepSpeed could not build FusedAdam
 
         # Plain TrainingArguments never ran our parse-time checks: the file may enable fp16 on a CPU machine.
         user_config = getattr(args, "deepspeed_user_config", None) or args.deepspeed
