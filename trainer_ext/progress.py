@@ -53,6 +53,8 @@ def describe_settings(backend, args, state) -> str:
             if section in config:
                 lines.append(f"  {section} {config[section]['type']} {json.dumps(config[section].get('params', {}))}")
         lines += [f"  note: {note}" for note in resolution.notes]
+    if getattr(backend, "overflow_check", None):
+        lines.append(f"  overflow check: {backend.overflow_check}")
     return "\n".join(lines)
 
 

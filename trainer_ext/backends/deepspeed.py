@@ -28,6 +28,7 @@ class DeepSpeedBackend(Backend):
 
     def __init__(self):
         self.resolution = None
+        self.overflow_check = None  # how a ZeRO step detects a non-finite gradient, once the engine exists
 
     def check(self, args) -> None:
         import importlib.util
@@ -107,8 +108,6 @@ class DeepSpeedBackend(Backend):
         if isinstance(scheduler, (WarmupLR, WarmupCosineLR)) and scheduler.last_batch_iteration == -1:
             scheduler.step()
         self.overflow_check = check_overflow_by_norm(getattr(engine, "optimizer", None))
-        if trainer.is_world_process_zero():
-            logger.info("DeepSpeed overflow check: %s", self.overflow_check)
         if not any(isinstance(callback, SkippedSteps) for callback in trainer.callback_handler.callbacks):
             trainer.add_callback(SkippedSteps(trainer))
 
