@@ -231,6 +231,16 @@ class ExtTrainer(Trainer):
         recorded = getattr(self, "_learning_rate_in_use", None)
         return recorded if recorded is not None else super()._get_learning_rate()
 
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        # transformers adds the loss accumulated since the last log as this rank's own, so the final train_loss
+        # depended on --logging_steps and on rank 0's batches; the mean over ranks is what a single process logs.
+        # (A private method: the only place the remainder is added; tests/test_train_loss.py catches a rename.)
+        from transformers.trainer_pt_utils import nested_gather
+
+        if self.args.world_size > 1:
+            self._tr_loss = nested_gather(self._tr_loss, self.args.parallel_mode).mean()
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         self.backend.before_prepare(self, max_steps, resume_from_checkpoint)
         prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)

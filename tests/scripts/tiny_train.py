@@ -1,11 +1,13 @@
 """Train a BERT built from a config (no model package, no network) on seeded random token ids with ExtTrainer and
 ExtTrainingArguments, under any launcher and backend: the model for tests that must run on a GPU machine that has
 only the repository. `--model_size tiny|small` picks the shape; every other flag is an ExtTrainingArguments flag.
-The run's per-step losses and grad norms are in output_dir/trainer_state.json, the final model in output_dir.
+The final model and train_results.json (train_loss, ...) go to output_dir; per-step losses and grad norms are in each
+checkpoint's trainer_state.json.
 TINY_TRAIN_NONFINITE_STEPS="3" (or "3-": from step 3 on) makes the logits of those optimizer steps infinite, so their
 gradients hold inf/NaN: what a diverging run or a bad batch does to a real one."""
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -58,5 +60,7 @@ class NonFiniteSteps(TrainerCallback):
 injected = os.environ.get("TINY_TRAIN_NONFINITE_STEPS")
 trainer = ExtTrainer(model=model, args=args, train_dataset=train,
                      callbacks=[NonFiniteSteps(injected)] if injected else None)
-trainer.train()
+outcome = trainer.train()
 trainer.save_model()
+if trainer.is_world_process_zero():  # as the task recipes do: train_loss and the other training metrics
+    (Path(args.output_dir) / "train_results.json").write_text(json.dumps(outcome.metrics, indent=2))
