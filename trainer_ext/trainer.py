@@ -58,6 +58,7 @@ class ExtTrainer(Trainer):
         self._train_batch_sampler = None  # the training order; its position is saved with every checkpoint
         self._resume_data_state = None  # that position, read from the checkpoint being resumed
         self.remote = None  # --checkpoint_uri
+        self.training_already_complete = None  # the checkpoint a re-run found complete (train() then trains nothing)
         self.preemption = PreemptionCallback()
         self.add_callback(self.preemption)
         progress.install(self)  # main process: bar with samples/s and ETA; resolved settings printed at start
@@ -253,6 +254,12 @@ class ExtTrainer(Trainer):
         `Preempted` (exit status 128 + signal); running the same command again continues exactly."""
         self.remote = self._remote_checkpoints()
         checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
+        finished = self._already_complete(checkpoint)
+        if finished is not None:
+            return finished
+        if checkpoint and self.is_world_process_zero():
+            logger.warning("resuming from %s%s", checkpoint, " (pass --fresh_start to start over)"
+                           if resume_from_checkpoint in (None, "auto", True) else "")
         self._resume_data_state = (read_data_state(checkpoint) if checkpoint and not self.args.ignore_data_skip
                                    else None)
         self.preemption.install()
@@ -270,6 +277,37 @@ class ExtTrainer(Trainer):
             Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
             self.backend.save_resolved_config(self.args.output_dir)
         return result
+
+    def _already_complete(self, checkpoint):
+        """A re-run of a finished command (a scheduler or spot restart) finds its last checkpoint at the run's final
+        step: train nothing, touch no checkpoint, load the finished weights for evaluation/prediction, say so once.
+        (transformers would train one step more, rotate an older checkpoint away and overwrite the metrics.)"""
+        from transformers import TrainerState
+        from transformers.trainer_utils import TrainOutput
+        from transformers.trainer import TRAINER_STATE_NAME
+
+        if not checkpoint:
+            return None
+        state = TrainerState.load_from_json(str(Path(checkpoint) / TRAINER_STATE_NAME))
+        # The run's total, counted as transformers counts it for these flags and this data (epochs or max_steps).
+        max_steps = self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
+        if state.global_step < max_steps:
+            return None
+        self.training_already_complete = Path(checkpoint)
+        deepspeed = self.is_deepspeed_enabled
+        self.is_deepspeed_enabled = False  # below ZeRO-3 every checkpoint holds the whole model in model.safetensors
+        try:
+            self._load_from_checkpoint(str(checkpoint))
+        finally:
+            self.is_deepspeed_enabled = deepspeed
+        self.state = state
+        final = Path(self.args.output_dir)
+        where = final if any(final.glob("model*.safetensors")) or any(final.glob("pytorch_model*.bin")) else checkpoint
+        if self.is_world_process_zero():
+            print(f"trainer_ext: training already complete at step {state.global_step} ({checkpoint}): nothing to "
+                  f"train; the model is in {where}", flush=True)
+        losses = [row["train_loss"] for row in state.log_history if "train_loss" in row]
+        return TrainOutput(state.global_step, losses[-1] if losses else float("nan"), {"already_complete": True})
 
     def _remote_checkpoints(self):
         """--checkpoint_uri, checked (write, list, read) by the process that saves, before anything trains."""
@@ -293,9 +331,8 @@ class ExtTrainer(Trainer):
                     self.remote.download_newest(self.args.output_dir)
                 self.accelerator.wait_for_everyone()
                 found = newest_valid_checkpoint(self.args.output_dir)
-            if self.is_world_process_zero():
-                logger.warning("resuming from %s (pass --fresh_start to start over)" if found else
-                               "no complete checkpoint in %s: starting from scratch", found or self.args.output_dir)
+            if self.is_world_process_zero() and not found:
+                logger.info("no complete checkpoint in %s: starting from scratch", self.args.output_dir)
             checkpoint = str(found) if found else None
         else:
             checkpoint = str(requested)

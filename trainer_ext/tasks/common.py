@@ -75,8 +75,11 @@ def first(dataset, limit):
 
 
 def train_and_save(trainer, training_args, train_samples: int) -> dict:
-    """Train (resuming as ExtTrainer does), save the model and state, report and return the training metrics."""
+    """Train (resuming as ExtTrainer does), save the model and state, report and return the training metrics. A re-run
+    of a finished command trains nothing and leaves the model, state and metrics files of the finished run alone."""
     outcome = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if getattr(trainer, "training_already_complete", None) is not None:
+        return dict(outcome.metrics)
     trainer.save_model()
     metrics = {**outcome.metrics, "train_samples": train_samples}
     trainer.log_metrics("train", metrics)
