@@ -11,7 +11,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from .checkpoint import MARKER, STAGING, checkpoint_step, publish
+from .checkpoint import CHECKSUM, MARKER, STAGING, checkpoint_step, damaged_file, publish
 
 logger = logging.getLogger(__name__)
 
@@ -91,26 +91,33 @@ class RemoteCheckpoints:
         return sorted(found)
 
     def download_newest(self, output_dir) -> Path | None:
-        """Copy the newest complete remote checkpoint into output_dir (staged, then renamed into place)."""
-        available = self.complete()
-        if not available:
-            return None
-        _, name = available[-1]
-        staged = Path(output_dir) / STAGING / name
-        shutil.rmtree(staged, ignore_errors=True)
-        remote = f"{self.root}/{name}"
-        for path in self.fs.find(remote):
-            relative = path[len(remote.rstrip("/")) + 1:] if path.startswith(remote) else path.rsplit(f"/{name}/", 1)[-1]
-            if relative == MARKER:
-                continue  # written by publish() once everything else is here
-            target = staged / relative
-            target.parent.mkdir(parents=True, exist_ok=True)
-            self.fs.get_file(path, str(target))
-        info = json.loads(self.fs.cat_file(f"{remote}/{MARKER}"))
-        info.pop("saved_at", None)
-        final = publish(staged, output_dir, {**info, "downloaded_from": f"{self.uri}/{name}"})
-        logger.warning("downloaded %s/%s to %s", self.uri, name, final)
-        return final
+        """Copy the newest complete remote checkpoint that arrives intact (every file's size and checksum as its
+        marker recorded them) into output_dir, staged then renamed into place; a damaged one is skipped with a
+        warning naming the file, and the next older one tried."""
+        for _, name in reversed(self.complete()):
+            staged = Path(output_dir) / STAGING / name
+            shutil.rmtree(staged, ignore_errors=True)
+            remote = f"{self.root}/{name}"
+            for path in self.fs.find(remote):
+                relative = (path[len(remote.rstrip("/")) + 1:] if path.startswith(remote)
+                            else path.rsplit(f"/{name}/", 1)[-1])
+                if relative == MARKER:
+                    continue  # written by publish() once everything else is here
+                target = staged / relative
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(path, str(target))
+            info = json.loads(self.fs.cat_file(f"{remote}/{MARKER}"))
+            problem = damaged_file(staged, info["files"]) if info.get("checksum") == CHECKSUM else None
+            if problem:
+                logger.warning("skipping remote checkpoint %s/%s: %s", self.uri, name, problem)
+                shutil.rmtree(staged, ignore_errors=True)
+                continue
+            for key in ("saved_at", "checksum", "files"):  # publish() records them anew for the local copy
+                info.pop(key, None)
+            final = publish(staged, output_dir, {**info, "downloaded_from": f"{self.uri}/{name}"})
+            logger.warning("downloaded %s/%s to %s", self.uri, name, final)
+            return final
+        return None
 
     # -- during training -------------------------------------------------------------------------------
     def upload(self, checkpoint: Path) -> None:

@@ -16,8 +16,8 @@ from transformers import Trainer
 from . import progress
 from .args import share_cores_between_cpu_ranks
 from .backends import select_backend
-from .checkpoint import (DATA_STATE, check_compatible, model_fingerprint, newest_valid_checkpoint, problem_with,
-                         publish, read_data_state, rotate, staging_dir)
+from .checkpoint import (DATA_STATE, check_compatible, damage, model_fingerprint, newest_valid_checkpoint,
+                         problem_with, publish, read_data_state, rotate, staging_dir)
 from .data.samplers import ResumableBatchSampler
 from .leftovers import remove_own_shm_buffer
 from .preemption import Preempted, PreemptionCallback
@@ -325,12 +325,12 @@ class ExtTrainer(Trainer):
         if requested in (None, "auto", True):
             if requested is None and getattr(self.args, "fresh_start", False):
                 return None
-            found = newest_valid_checkpoint(self.args.output_dir)
+            found = self._newest_intact_checkpoint()
             if found is None and self.remote is not None:
                 if self.args.should_save:
                     self.remote.download_newest(self.args.output_dir)
                 self.accelerator.wait_for_everyone()
-                found = newest_valid_checkpoint(self.args.output_dir)
+                found = self._newest_intact_checkpoint()
             if self.is_world_process_zero() and not found:
                 logger.info("no complete checkpoint in %s: starting from scratch", self.args.output_dir)
             checkpoint = str(found) if found else None
@@ -338,6 +338,10 @@ class ExtTrainer(Trainer):
             checkpoint = str(requested)
             if not Path(checkpoint).is_dir():
                 raise FileNotFoundError(f"--resume_from_checkpoint {checkpoint}: no such folder")
+            damaged = self._decided_by_main_process(lambda: damage(Path(checkpoint)))
+            if damaged:
+                raise ValueError(f"--resume_from_checkpoint {checkpoint}: {damaged}; resume from another checkpoint, "
+                                 "or pass --resume_from_checkpoint auto to take the newest intact one")
             problem = problem_with(Path(checkpoint))
             if problem:
                 logger.warning("resuming from %s although %s", checkpoint, problem)
@@ -345,6 +349,20 @@ class ExtTrainer(Trainer):
             module = self.backend.unwrap(self.accelerator.unwrap_model(self.model))
             check_compatible(checkpoint, model_fingerprint(module))
         return checkpoint
+
+    def _newest_intact_checkpoint(self):
+        """The newest complete checkpoint whose files are all as written (sizes and checksums)."""
+        return self._decided_by_main_process(lambda: newest_valid_checkpoint(self.args.output_dir, checksums=True))
+
+    def _decided_by_main_process(self, decide):
+        """`decide()` run once, by the main process (reading a checkpoint's files once, not once per rank), and its
+        answer shared: every rank must resume from the same checkpoint."""
+        answer = decide() if self.args.process_index == 0 else None
+        if self.args.world_size > 1:
+            from accelerate.utils import broadcast_object_list
+
+            answer = broadcast_object_list([answer], from_process=0)[0]
+        return answer
 
     # -- checkpoints: written aside, published complete --------------------------------------------------
     def _get_output_dir(self, trial):

@@ -60,7 +60,7 @@ class NonFiniteSteps(TrainerCallback):
 injected = os.environ.get("TINY_TRAIN_NONFINITE_STEPS")
 trainer = ExtTrainer(model=model, args=args, train_dataset=train,
                      callbacks=[NonFiniteSteps(injected)] if injected else None)
-outcome = trainer.train()
+outcome = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
 trainer.save_model()
 if trainer.is_world_process_zero():  # as the task recipes do: train_loss and the other training metrics
     (Path(args.output_dir) / "train_results.json").write_text(json.dumps(outcome.metrics, indent=2))
