@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO))  # run from a source checkout without installing
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model hubs are unreachable here; everything is local
 
 from trainer_ext import ExtArgumentParser, ExtTrainingArguments  # noqa: E402
+from trainer_ext.errors import user_errors  # noqa: E402
 from trainer_ext.tasks.classification import DataArguments, ModelArguments, run  # noqa: E402
 
 
@@ -25,7 +26,8 @@ def main(argv=None):
     parser = ExtArgumentParser((ModelArguments, DataArguments, ExtTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
-    return run(model_args, data_args, training_args)
+    with user_errors(parser.prog):  # a bad flag, path or file found once data or model are read: one line, exit 2
+        return run(model_args, data_args, training_args)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ sys.path.insert(0, str(REPO))  # run from a source checkout without installing
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model hubs are unreachable here; everything is local
 
-from trainer_ext import ArgumentsError, ExtArgumentParser, ExtTrainingArguments  # noqa: E402
+from trainer_ext import ExtArgumentParser, ExtTrainingArguments  # noqa: E402
+from trainer_ext.errors import user_errors  # noqa: E402
 from trainer_ext.tasks.qa import DataArguments, ModelArguments, run  # noqa: E402
 
 
@@ -25,10 +26,8 @@ def main(argv=None):
     parser = ExtArgumentParser((ModelArguments, DataArguments, ExtTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
-    try:
+    with user_errors(parser.prog):  # a bad flag, path or file found once data or model are read: one line, exit 2
         results = run(model_args, data_args, training_args)
-    except ArgumentsError as err:  # found once the model and tokenizer are known: still a bad flag
-        parser.error(str(err))
     if training_args.process_index == 0:
         labels = {"eval_before": " before training", "eval": " after training" if training_args.do_train else ""}
         for prefix, label in labels.items():

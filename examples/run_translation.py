@@ -19,21 +19,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model hubs are unreachable here;
 import transformers  # noqa: E402
 
 from trainer_ext import ExtArgumentParser, ExtSeq2SeqTrainingArguments  # noqa: E402
-from trainer_ext.tasks.translation import DataArguments, DataFileError, ModelArguments, run  # noqa: E402
+from trainer_ext.errors import user_errors  # noqa: E402
+from trainer_ext.tasks.translation import DataArguments, ModelArguments, run  # noqa: E402
 
 
 def main(argv=None):
     parser = ExtArgumentParser((ModelArguments, DataArguments, ExtSeq2SeqTrainingArguments))
-    try:
-        model_args, data_args, training_args = parser.parse_args_into_dataclasses(argv)
-    except ValueError as err:  # DataArguments' own checks
-        parser.error(str(err))
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     transformers.utils.logging.set_verbosity_warning()
-    try:
+    with user_errors(parser.prog):  # a bad flag, path or file found once data or model are read: one line, exit 2
         metrics = run(model_args, data_args, training_args)
-    except DataFileError as err:
-        raise SystemExit(f"run_translation.py: {err}") from None
     if training_args.process_index == 0:
         for prefix, when in (("eval_before", "before training"), ("eval", "after training"), ("predict", "test")):
             if f"{prefix}_bleu" in metrics:

@@ -13,8 +13,9 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 
 from .cuda_arch import prepare_for_deepspeed
+from .errors import UserError, debugging
 from .leftovers import clear_leftovers
-from .deepspeed_config import DeepSpeedConfigError, load_deepspeed_config, resolve_deepspeed_config
+from .deepspeed_config import load_deepspeed_config, resolve_deepspeed_config
 from .options import (FP16_BACKENDS, FP16_OPT_LEVELS, SHARDED_DDP_OPTIONS, ArgumentsError, check_fp16_backend,
                       check_fp16_device, check_sharded_ddp_machine, merge_warmup_ratio, parse_class_weights,
                       parse_sharded_ddp, parse_storage_options)
@@ -54,9 +55,34 @@ def share_cores_between_cpu_ranks() -> int | None:
     return threads
 
 
+def launch_one_rank_without_launcher() -> bool:
+    """`python script.py --deepspeed ...` with no launcher: give this process the variables the deepspeed launcher (or
+    accelerate launch) would give a 1-rank job. Without them DeepSpeed looks for MPI and dies importing mpi4py.
+    Returns True when it set them."""
+    if any(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return False
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                      MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
+    return True
+
+
 def accelerator_available() -> bool:
     accelerator = getattr(torch, "accelerator", None)
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
+def quiet_deepspeed_on_cpu_machines() -> None:
+    """accelerate imports DeepSpeed whenever it is installed (even for runs that do not use it), and DeepSpeed then
+    warns "Setting accelerator to CPU ... we were unable to detect it" on every machine without a GPU: a warning that
+    needs no action. DS_ACCELERATOR=cpu is DeepSpeed's own override for the choice it would make anyway, unwarned."""
+    if "DS_ACCELERATOR" not in os.environ and not accelerator_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def cpu_ranks(args) -> bool:
@@ -97,6 +123,7 @@ class ExtTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        quiet_deepspeed_on_cpu_machines()
         self.sharded_ddp = parse_sharded_ddp(self.sharded_ddp)
         check_fp16_backend(self.fp16_backend, self.fp16_opt_level)
         self.warmup_steps = merge_warmup_ratio(self.warmup_steps, self.warmup_ratio)
@@ -108,6 +135,7 @@ class ExtTrainingArguments(TrainingArguments):
         self.deepspeed_user_config = None  # the file as given; re-resolved once the step count is known
         self.deepspeed_resolution = None
         if self.deepspeed:
+            launch_one_rank_without_launcher()
             clear_leftovers()  # before transformers' set-up loads DeepSpeed's communication op
             if not cpu_ranks(self):
                 prepare_for_deepspeed()  # before any DeepSpeed op is built (FusedAdam, at the first train())
@@ -122,6 +150,7 @@ class ExtTrainingArguments(TrainingArguments):
         check_fp16_device(self.fp16, torch.cuda.is_available(), from_file)
         if self.sharded_ddp:
             check_sharded_ddp_machine(self.sharded_ddp, torch.cuda.is_available(), bool(self.fp16 or self.bf16))
+        self.check_paths()
         if launched_world_size() > 1 and not self.use_cpu and not accelerator_available():
             # Without it transformers 5 leaves each CPU rank on its own: N independent runs, no error.
             logger.warning("%d ranks launched and no GPU: setting --use_cpu so the ranks form one gloo "
@@ -129,7 +158,24 @@ class ExtTrainingArguments(TrainingArguments):
             self.use_cpu = True
         if cpu_ranks(self):
             share_cores_between_cpu_ranks()
+            if not accelerator_available():
+                self.dataloader_pin_memory = False  # nothing to pin for; torch would warn on every dataloader
         super().__post_init__()
+
+
+    def check_paths(self) -> None:
+        """What can be checked before the model is loaded (seconds to minutes on a big model): an explicit checkpoint
+        exists, and the remote checkpoint location takes a write (main process: one probe object, then deleted)."""
+        resume = self.resume_from_checkpoint
+        if isinstance(resume, str) and resume not in ("auto", "True", "true") and not os.path.isdir(resume):
+            raise ArgumentsError(f"--resume_from_checkpoint {resume}: no such folder (give a checkpoint-N folder, or "
+                                 "auto for the newest complete one in --output_dir)")
+        self.checkpoint_uri_checked = False
+        if self.checkpoint_uri and os.environ.get("RANK", "0") in ("", "0"):
+            from .remote import RemoteCheckpoints
+
+            RemoteCheckpoints(self.checkpoint_uri, self.checkpoint_storage_options).check()
+            self.checkpoint_uri_checked = True
 
 
 class ExtArgumentParser(HfArgumentParser):
@@ -163,5 +209,7 @@ class ExtArgumentParser(HfArgumentParser):
             self.check_unknown(argv)
         try:
             return super().parse_args_into_dataclasses(args=argv, **kwargs)
-        except (ArgumentsError, DeepSpeedConfigError) as err:
+        except UserError as err:  # a bad flag, file or path: one line, exit 2
+            if debugging():
+                raise
             self.error(str(err))

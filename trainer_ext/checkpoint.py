@@ -13,6 +13,8 @@ import shutil
 import time
 from pathlib import Path
 
+from .errors import UserError
+
 logger = logging.getLogger(__name__)
 
 MARKER = "checkpoint_complete.json"
@@ -20,6 +22,10 @@ DATA_STATE = "data_state.json"  # where the training order stands (samples consu
 STAGING = ".staging"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 CHECKSUM = "xxh3_64"  # ~10 GB/s in memory: a checkpoint is hashed at the speed it is read
+
+
+class CheckpointError(UserError):
+    """A checkpoint the user asked for cannot be resumed: missing, damaged, or written by another model."""
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -177,6 +183,6 @@ def check_compatible(checkpoint, fingerprint: dict) -> None:
     differences = [f"{key}: checkpoint {saved[key]!r}, this run {value!r}" for key, value in fingerprint.items()
                    if key in saved and saved[key] != value]
     if differences:
-        raise ValueError(f"checkpoint {checkpoint} was written by a different model ({'; '.join(differences)}): "
+        raise CheckpointError(f"checkpoint {checkpoint} was written by a different model ({'; '.join(differences)}): "
                          "resume with the model that wrote it, or pass --fresh_start (or another --output_dir) "
                          "to start over; nothing was overwritten")

@@ -145,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer-ext: error: unknown command {command!r}" + (f", did you mean {hint[0]!r}?" if hint else "")
               + f"\n{USAGE}", file=sys.stderr)
         return 2
-    return COMMANDS[command](rest)
+    from .errors import user_errors
+
+    with user_errors(f"trainer-ext {command}"):
+        return COMMANDS[command](rest)
 
 
 if __name__ == "__main__":

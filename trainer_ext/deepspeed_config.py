@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import UserError
+
 # TrainingArguments defaults of the flags the translator reads; a test checks them against transformers.
 FLAG_DEFAULTS: dict[str, Any] = {
     "per_device_train_batch_size": 8,
@@ -175,7 +177,7 @@ _INTEGER = re.compile(r"^\s*[+-]?\d+\s*$")
 AUTO = "auto"
 
 
-class DeepSpeedConfigError(ValueError):
+class DeepSpeedConfigError(UserError):
     """Every problem found in a DeepSpeed config and the flags beside it, reported together."""
 
     def __init__(self, problems: list[str], origin: str | None = None):

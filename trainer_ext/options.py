@@ -6,12 +6,14 @@ import difflib
 import importlib.util
 import json
 
+from .errors import UserError
+
 SHARDED_DDP_OPTIONS = ("simple", "zero_dp_2", "zero_dp_3", "offload")
 FP16_BACKENDS = ("auto", "amp", "apex")
 FP16_OPT_LEVELS = ("O0", "O1", "O2", "O3")
 
 
-class ArgumentsError(ValueError):
+class ArgumentsError(UserError):
     """Flags that cannot work together; raised before any training starts."""
 
 

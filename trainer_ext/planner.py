@@ -15,13 +15,15 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import UserError
+
 GIB = 2 ** 30
 # FairScale ShardedDataParallel's default reduce_buffer_size (elements): small gradients destined for another rank
 # are reduced through a bucket of this size, which stays allocated (fairscale/nn/data_parallel/sharded_ddp.py).
 SHARDED_DDP_BUCKET = 2 ** 23
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """Bad planner input; the message names the field and the fix."""
 
 

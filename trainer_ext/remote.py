@@ -12,14 +12,15 @@ import threading
 from pathlib import Path
 
 from .checkpoint import CHECKSUM, MARKER, STAGING, checkpoint_step, damaged_file, publish
+from .errors import UserError
 
 logger = logging.getLogger(__name__)
 
 UPLOADING = ".uploading"  # hard-linked snapshots of checkpoints being uploaded: rotation may delete the originals
 
 
-class RemoteCheckpointError(RuntimeError):
-    pass
+class RemoteCheckpointError(UserError):
+    """--checkpoint_uri cannot be used (credentials, bucket, endpoint, protocol): found before training."""
 
 
 def _s3_options(options: dict) -> dict:

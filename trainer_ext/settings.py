@@ -8,13 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .deepspeed_config import warmup_steps
+from .errors import UserError
 
 
 def _from_mapping(cls, values: dict):
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"{cls.__name__}: unknown keys {unknown}; valid: {sorted(known)}")
+        raise UserError(f"{cls.__name__}: unknown keys {unknown}; valid: {sorted(known)}")
     return cls(**values)
 
 

@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from transformers import Trainer
 
 from . import progress
-from .args import share_cores_between_cpu_ranks
+from .args import quiet_deepspeed_on_cpu_machines, share_cores_between_cpu_ranks
 from .backends import select_backend
-from .checkpoint import (DATA_STATE, check_compatible, damage, model_fingerprint, newest_valid_checkpoint,
+from .checkpoint import (DATA_STATE, CheckpointError, check_compatible, damage, model_fingerprint, newest_valid_checkpoint,
                          problem_with, publish, read_data_state, rotate, staging_dir)
 from .data.samplers import ResumableBatchSampler
+from .errors import UserError, exits_on_user_error
 from .leftovers import remove_own_shm_buffer
 from .preemption import Preempted, PreemptionCallback
 from .settings import OptimizerSettings, SchedulerSettings
@@ -36,9 +37,11 @@ class ExtTrainer(Trainer):
     - `optimizer_settings` / `scheduler_settings`: the optimizer and schedule, from flags by default.
     """
 
+    @exits_on_user_error
     def __init__(self, model=None, args=None, *positional, loss_fn: LossFn | None = None,
                  class_weights=None, optimizer_settings: OptimizerSettings | None = None,
                  scheduler_settings: SchedulerSettings | None = None, **kwargs):
+        quiet_deepspeed_on_cpu_machines()  # plain TrainingArguments did not
         self.backend = select_backend(args)
         if args is not None:
             self.backend.check(args)
@@ -51,6 +54,7 @@ class ExtTrainer(Trainer):
         self.loss_fn = loss_fn
         weights = class_weights if class_weights is not None else getattr(self.args, "class_weights", None)
         self.class_weights = [float(w) for w in weights] if weights else None
+        _check_class_weights(self.class_weights, loss_fn, self.model)
         self.optimizer_settings = optimizer_settings or OptimizerSettings.from_args(self.args)
         self.scheduler_settings = scheduler_settings or SchedulerSettings.from_args(self.args)
         self._model_uses_num_items = None  # decided on the first labelled batch
@@ -101,7 +105,7 @@ class ExtTrainer(Trainer):
         weight = None
         if self.class_weights is not None:
             if len(self.class_weights) != logits.size(-1):
-                raise ValueError(f"--class_weights has {len(self.class_weights)} values but the model has "
+                raise UserError(f"--class_weights has {len(self.class_weights)} values but the model has "
                                  f"{logits.size(-1)} classes")
             weight = torch.tensor(self.class_weights, dtype=torch.float32, device=logits.device)
         return F.cross_entropy(logits.float(), labels, weight=weight, ignore_index=-100,
@@ -166,7 +170,7 @@ class ExtTrainer(Trainer):
         """One seeded stream of samples, cut into the same global batches on every backend and world size, and
         continued after a resume at the sample where the checkpoint stopped (see data/samplers.py)."""
         if self.train_dataset is None:
-            raise ValueError("ExtTrainer: training requires a train_dataset")
+            raise UserError("ExtTrainer: training requires a train_dataset")
         args = self.args
         batch_sampler = ResumableBatchSampler(
             len(self.train_dataset), self._train_batch_size, rank=args.process_index, world_size=args.world_size,
@@ -248,6 +252,7 @@ class ExtTrainer(Trainer):
         self.backend.after_prepare(self)
         return prepared
 
+    @exits_on_user_error
     def train(self, resume_from_checkpoint=None, **kwargs):
         """Resumes by default: with no `resume_from_checkpoint` (or "auto"/True) the newest complete checkpoint
         in output_dir is used, unless --fresh_start. A SIGTERM/SIGINT ends the run after a checkpoint, with
@@ -317,7 +322,7 @@ class ExtTrainer(Trainer):
         from .remote import RemoteCheckpoints
 
         remote = RemoteCheckpoints(uri, getattr(self.args, "checkpoint_storage_options", None))
-        if self.args.should_save:
+        if self.args.should_save and not getattr(self.args, "checkpoint_uri_checked", False):
             remote.check()
         return remote
 
@@ -337,10 +342,11 @@ class ExtTrainer(Trainer):
         else:
             checkpoint = str(requested)
             if not Path(checkpoint).is_dir():
-                raise FileNotFoundError(f"--resume_from_checkpoint {checkpoint}: no such folder")
+                raise CheckpointError(f"--resume_from_checkpoint {checkpoint}: no such folder (give a checkpoint-N "
+                                      "folder, or auto for the newest complete one in --output_dir)")
             damaged = self._decided_by_main_process(lambda: damage(Path(checkpoint)))
             if damaged:
-                raise ValueError(f"--resume_from_checkpoint {checkpoint}: {damaged}; resume from another checkpoint, "
+                raise CheckpointError(f"--resume_from_checkpoint {checkpoint}: {damaged}; resume from another checkpoint, "
                                  "or pass --resume_from_checkpoint auto to take the newest intact one")
             problem = problem_with(Path(checkpoint))
             if problem:
@@ -426,13 +432,26 @@ def _release_process_group_at_exit() -> None:
     _RELEASE_REGISTERED.append(release)
 
 
+def _check_class_weights(weights, loss_fn, model) -> None:
+    """Before any step: class weights that cannot apply are a mistake, not something to find at the first batch."""
+    if weights is None:
+        return
+    if loss_fn is not None:
+        raise UserError("--class_weights and a loss_fn were both given: the loss_fn computes the loss, so the weights "
+                        "would be ignored; apply them inside loss_fn, or drop one")
+    classes = getattr(getattr(model, "config", None), "num_labels", None)
+    if classes is not None and getattr(model.config, "problem_type", None) != "regression" and classes != len(weights):
+        raise UserError(f"--class_weights has {len(weights)} values but the model has {classes} classes: give one "
+                        "weight per class")
+
+
 def _check_process_group(args) -> None:
     """A launcher started N ranks but they did not form one group: each would train alone, N times over."""
     import os
 
     launched = os.environ.get("WORLD_SIZE", "1")
     if launched.isdigit() and int(launched) > 1 and args.world_size == 1:
-        raise RuntimeError(f"{launched} ranks were launched but this one trains alone (world size 1): on a machine "
+        raise UserError(f"{launched} ranks were launched but this one trains alone (world size 1): on a machine "
                            "without a GPU pass --use_cpu, or use trainer_ext.ExtTrainingArguments, which sets it")
 
 

@@ -36,11 +36,12 @@ class DeepSpeedBackend(Backend):
         if importlib.util.find_spec("deepspeed") is None:
             raise ImportError(f"--deepspeed needs DeepSpeed, which is not installed: {INSTALL}")
 
-        from ..args import cpu_ranks
+        from ..args import cpu_ranks, launch_one_rank_without_launcher
         from ..cuda_arch import prepare_for_deepspeed
         from ..leftovers import clear_leftovers
         from ..options import check_fp16_device
 
+        launch_one_rank_without_launcher()  # stock arguments whose device is not set up yet
         clear_leftovers()  # DeepSpeed loads its optimizer op later, in deepspeed.initialize
         if not cpu_ranks(args):
             prepare_for_deepspeed()  # plain TrainingArguments did not: DeepSpeed could not build FusedAdam

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from ..errors import UserError
+
 
 class ResumableBatchSampler(torch.utils.data.Sampler):
     """Batches of sample indices for one rank; `set_epoch` picks the Trainer's epoch, `state_dict` / `load_state_dict`
@@ -26,7 +28,7 @@ class ResumableBatchSampler(torch.utils.data.Sampler):
     def __init__(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = False, gradient_accumulation_steps: int = 1):
         if num_samples <= 0:
-            raise ValueError("the training set is empty")
+            raise UserError("the training set is empty: give a train_dataset with at least one sample")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.num_samples, self.batch_size = num_samples, batch_size
@@ -97,7 +99,7 @@ class ResumableBatchSampler(torch.utils.data.Sampler):
         problems = [f"{key} changed from {state[key]} to {getattr(self, key)}"
                     for key in ("num_samples", "seed", "shuffle") if key in state and state[key] != getattr(self, key)]
         if problems:
-            raise ValueError("cannot continue the training order of the checkpoint: " + "; ".join(problems) +
+            raise UserError("cannot continue the training order of the checkpoint: " + "; ".join(problems) +
                              ". Resume with the same dataset, --seed/--data_seed and shuffling, or pass "
                              "--ignore_data_skip to restart the order (samples may repeat), or --fresh_start")
         self.offset = int(state["samples_consumed"]) - int(state["global_step"]) * self.global_batch_size

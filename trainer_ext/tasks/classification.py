@@ -92,6 +92,10 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
             flag = "--text_column" if column == data_args.text_column else "--label_column"
             raise ArgumentsError(f"{flag} {column!r}: the training data has columns {raw['train'].column_names}")
     labels = sorted(set(raw["train"][data_args.label_column]))
+    weights = getattr(training_args, "class_weights", None)
+    if weights and len(weights) != len(labels):  # before the model is loaded
+        raise ArgumentsError(f"--class_weights has {len(weights)} values but the training data has {len(labels)} "
+                             f"labels ({', '.join(map(str, labels))}): give one weight per label, in that order")
     model_path = model_args.model_name_or_path or shipped_model()
     set_seed(training_args.seed)  # the new classifier head is initialised identically on every backend
     config = load_config(model_path, model_args, num_labels=len(labels))

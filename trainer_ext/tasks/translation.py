@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..options import ArgumentsError
 from .common import ModelArguments as CommonModelArguments
 from .common import shipped_model, train_and_save
 
@@ -24,7 +25,7 @@ DROPOUT_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classi
                   "attention_dropout", "activation_dropout", "dropout_rate")
 
 
-class DataFileError(FileNotFoundError):
+class DataFileError(ArgumentsError):
     """A data file named by a flag (or the shipped default) is missing or lacks the expected fields."""
 
 
@@ -61,10 +62,10 @@ class DataArguments:
 
     def __post_init__(self):
         if self.source_lang == self.target_lang:
-            raise ValueError(f"--source_lang and --target_lang are both {self.source_lang!r}: give two languages")
+            raise ArgumentsError(f"--source_lang and --target_lang are both {self.source_lang!r}: give two languages")
         for name in ("max_source_length", "max_target_length"):
             if getattr(self, name) < 2:
-                raise ValueError(f"--{name} {getattr(self, name)}: needs room for at least one token and the end "
+                raise ArgumentsError(f"--{name} {getattr(self, name)}: needs room for at least one token and the end "
                                  "token (give 2 or more)")
 
 
@@ -163,7 +164,7 @@ def adjust_config(config, dropout: float | None, overrides: str | None, kwargs: 
         try:
             config.update_from_string(overrides)
         except ValueError as err:
-            raise ValueError(f"--config_overrides {overrides}: {err} (keys must exist in the "
+            raise ArgumentsError(f"--config_overrides {overrides}: {err} (keys must exist in the "
                              f"{type(config).__name__})") from None
 
 
@@ -212,7 +213,7 @@ def build_model(model_args: ModelArguments):
     try:
         model = AutoModelForSeq2SeqLM.from_config(config)
     except ValueError as err:
-        raise ValueError(f"--model_name_or_path {name}: {type(config).__name__} is not a sequence-to-sequence "
+        raise ArgumentsError(f"--model_name_or_path {name}: {type(config).__name__} is not a sequence-to-sequence "
                          f"config ({err}); give e.g. a Marian, T5, BART or encoder-decoder config") from None
     _set_token_ids(model, tokenizer, override=not own_tokenizer)
     return model, tokenizer
