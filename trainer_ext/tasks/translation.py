@@ -12,7 +12,7 @@ import numpy as np
 
 from ..options import ArgumentsError
 from .common import ModelArguments as CommonModelArguments
-from .common import shipped_model, train_and_save
+from .common import reading, shipped_model, train_and_save
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,8 @@ def build_model(model_args: ModelArguments):
     own_tokenizer = folder.is_dir() and any((folder / f).is_file() for f in TOKENIZER_FILES)
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or (folder if own_tokenizer else shipped_model()),
                                               **model_args.tokenizer_kwargs)
-    config = AutoConfig.from_pretrained(name)
+    with reading("--model_name_or_path", name, "model"):
+        config = AutoConfig.from_pretrained(name)
     for sub in _sub_configs(config):
         adjust_config(sub, model_args.dropout, model_args.config_overrides, model_args.config_kwargs)
     if not config_only:

@@ -1,0 +1,145 @@
+"""Every mistake in a user's input or environment ends with one clear message naming the flag, file or variable,
+exit status 2 and no traceback, before anything is written (README: "When something is wrong"); TRAINER_EXT_DEBUG=1
+shows the traceback. Each case is a real process, as a user would meet it."""
+
+import hashlib
+import json
+import shutil
+
+import pytest
+
+from conftest import PYTHON, REPO, TINY_TRAIN, free_port, run
+
+GLUE = REPO / "examples" / "run_glue.py"
+OWN = REPO / "tests" / "scripts" / "own_script.py"
+FAST = ["--max_steps", 2, "--max_train_samples", 32, "--max_seq_length", 32, "--report_to", "none"]
+MISSING = "/nonexistent/trainer_ext"
+
+# id -> (script and flags after --output_dir OUT, the phrase the message must hold, extra environment)
+CASES = {
+    # flags, at parse time
+    "misspelled flag": (["--do_train", "--learning_rat", "1e-4"], "did you mean --learning_rate", {}),
+    "misspelled --sharded_ddp option": (["--sharded_ddp", "simpel"], "did you mean 'simple'", {}),
+    "two backends": (["--sharded_ddp", "simple", "--deepspeed", "zero2_minimal"], "both choose a backend", {}),
+    "fully sharded on a CPU machine": (["--sharded_ddp", "zero_dp_2"], "needs CUDA", {}),
+    "fp16 on a CPU machine": (["--fp16"], "fp16 needs a CUDA device", {}),
+    "warmup ratio out of range": (["--warmup_ratio", "1.5"], "a ratio must be in [0, 1)", {}),
+    "class weights not numbers": (["--class_weights", "1,x"], "give numbers separated by commas", {}),
+    "storage options not JSON": (["--checkpoint_storage_options", "{bad"], "is not JSON", {}),
+    "batch size 0": (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be a positive", {}),
+    "negative learning rate": (["--learning_rate", "-1"], "--learning_rate -1.0: must be >= 0", {}),
+    "max_steps not a number": (["--max_steps", "six"], "invalid int value: 'six'", {}),
+    "transformers' own check": (["--do_train", "--load_best_model_at_end", "--eval_strategy", "steps",
+                                 "--save_strategy", "epoch"], "load_best_model_at_end", {}),
+    "output_dir is a file": (["--output_dir", str(REPO / "README.md")], "is a file, not a folder", {}),
+    # DeepSpeed files
+    "DeepSpeed file missing": (["--deepspeed", "nope.json"], "no such file, and not a preset", {}),
+    "DeepSpeed file not JSON": (["--deepspeed", '{"zero_optimization": '], "invalid JSON", {}),
+    "DeepSpeed key misspelled": (["--deepspeed", '{"zero_optimisation": {"stage": 2}}'],
+                                 "did you mean 'zero_optimization'", {}),
+    "DeepSpeed batch disagrees": (["--deepspeed", '{"train_batch_size": 7}', "--per_device_train_batch_size", "4"],
+                                  "train_batch_size=7 cannot hold", {}),
+    # paths and data, before the model is loaded
+    "resume from a missing checkpoint": (["--do_train", "--resume_from_checkpoint", f"{MISSING}/checkpoint-99"],
+                                         "no such folder", {}),
+    "unknown remote protocol": (["--do_train", "--checkpoint_uri", "nope://bucket/run"], "Protocol not known", {}),
+    "unreachable remote endpoint": (["--do_train", "--checkpoint_uri", "s3://bucket/run"], "check the endpoint",
+                                    {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
+                                     "AWS_ENDPOINT_URL": "http://127.0.0.1:{closed_port}"}),
+    "training file missing": (["--do_train", "--train_file", f"{MISSING}.jsonl"], "no such data file", {}),
+    "text column missing": (["--do_train", "--text_column", "nope"], "--text_column 'nope'", {}),
+    "class weights per label": (["--do_train", "--class_weights", "1,2,3"], "3 values but the training data has 2",
+                                {}),
+    "model folder missing": (["--do_train", "--model_name_or_path", MISSING], "no such model folder", {}),
+    "model from the Hub, offline": (["--do_train", "--model_name_or_path", "bert-base-uncased"], "a Hub name", {}),
+    "dataset from the Hub, offline": (["--do_train", "--dataset_name", "glue"], "--dataset_name glue: cannot read", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_user_error_is_one_line_exit_2_nothing_written(tmp_path, case):
+    flags, phrase, env = CASES[case]
+    output_dir = tmp_path / "out"
+    env = {key: value.format(closed_port=free_port()) for key, value in env.items()}
+    out = run([PYTHON, GLUE, "--output_dir", output_dir, *FAST, *flags], env=env, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert phrase in out.stderr and "error:" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not output_dir.exists()
+
+
+@pytest.mark.parametrize("command,phrase", [
+    (["train", f"{MISSING}.yaml"], "no such experiment file"),
+    (["trian", "x.yaml"], "did you mean 'train'"),
+    (["plan", "--num_parameters", "abc", "--world_size", "2"], "--num_parameters 'abc'"),
+    (["ds-config", "--deepspeed", "zero2", "--learning_rate", "1e-4"], "optimizer.params.lr=3e-05 in the file disagrees"),
+])
+def test_cli_user_errors(command, phrase):
+    out = run([PYTHON, "-m", "trainer_ext", *command])
+    assert out.returncode == 2 and phrase in out.stderr and "Traceback" not in out.stderr
+
+
+def test_own_script_with_stock_arguments_gets_the_same(tmp_path):
+    """ExtTrainer itself reports: a user's script with HfArgumentParser/TrainingArguments sees one line, exit 2."""
+    out = run([PYTHON, OWN, "--output_dir", tmp_path / "out", "--max_steps", 2, "--report_to", "none",
+               "--deepspeed", REPO / "ds_configs" / "zero2.json", "--use_cpu"])
+    assert out.returncode == 2 and "fp16 needs a CUDA device" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_debug_variable_shows_the_traceback(tmp_path):
+    out = run([PYTHON, GLUE, "--output_dir", tmp_path / "out", *FAST, "--do_train", "--text_column", "nope"],
+              env={"TRAINER_EXT_DEBUG": "1"})
+    assert out.returncode != 0 and "Traceback" in out.stderr and "ArgumentsError: --text_column 'nope'" in out.stderr
+
+
+# -- checkpoints the user points at ---------------------------------------------------------------------------
+
+def contents(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A finished 2-step run of the config-built tiny BERT, a checkpoint per step."""
+    output_dir = tmp_path_factory.mktemp("tiny") / "run"
+    out = run([PYTHON, TINY_TRAIN, "--output_dir", output_dir, "--max_steps", 2, "--save_steps", 1,
+               "--report_to", "none", "--per_device_train_batch_size", 8])
+    assert out.returncode == 0, out.stderr[-3000:]
+    return output_dir
+
+
+def checkpoint_case(tiny_run, tmp_path, command, phrase, prepare=None):
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run, run_dir)
+    if prepare:
+        prepare(run_dir)
+    before = contents(run_dir)
+    out = run([PYTHON, *[str(part).format(run=run_dir) for part in command]])
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert phrase in out.stderr and "Traceback" not in out.stderr
+    assert contents(run_dir) == before
+
+
+def test_resume_from_a_damaged_checkpoint(tiny_run, tmp_path):
+    def damage(run_dir):
+        path = run_dir / "checkpoint-2" / "optimizer.pt"
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    checkpoint_case(tiny_run, tmp_path, [TINY_TRAIN, "--output_dir", "{run}", "--max_steps", 4, "--report_to", "none",
+                                         "--per_device_train_batch_size", 8, "--resume_from_checkpoint",
+                                         "{run}/checkpoint-2"],
+                    "optimizer.pt does not match the checksum", damage)
+
+
+def test_resume_with_another_model(tiny_run, tmp_path):
+    checkpoint_case(tiny_run, tmp_path, [GLUE, "--output_dir", "{run}", "--do_train", *FAST[:2], "--max_steps", 4],
+                    "was written by a different model")
+
+
+def test_resume_on_changed_data(tiny_run, tmp_path):
+    checkpoint_case(tiny_run, tmp_path, [TINY_TRAIN, "--output_dir", "{run}", "--max_steps", 4, "--report_to", "none",
+                                         "--per_device_train_batch_size", 8, "--num_samples", 300],
+                    "num_samples changed from 512 to 300")
