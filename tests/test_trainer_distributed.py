@@ -29,6 +29,13 @@ def test_same_training_with_accumulation_clipping_and_warmup(accumulate_runs, ba
         assert max(abs(ours[s] - theirs[s]) for s in ours) < 1e-5 * max(1.0, max(ours.values())), key
 
 
+def test_deepspeed_in_one_process_without_a_launcher(plain_runs, tmp_path):
+    """`python run_glue.py --deepspeed ...` with no launcher runs as a 1-rank job (DeepSpeed would look for MPI and
+    die importing mpi4py) and trains exactly like the plain single process."""
+    launch("single", tmp_path / "zero2", *PLAIN, "--per_device_train_batch_size", 16, "--deepspeed", "zero2_minimal")
+    assert_same_training(plain_runs / "single", tmp_path / "zero2", STEPS)
+
+
 def test_losses_are_true_not_scaled_by_world_size(plain_runs):
     """Stock transformers 5.23 logs 2x the loss on 2 ranks for classification models; ours equal one process."""
     single = json.loads((plain_runs / "single" / "eval_results.json").read_text())
