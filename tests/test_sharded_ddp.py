@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import (ACCUMULATE, PLAIN, PYTHON, REPO, STEPS, assert_same_training, free_port, launch, logged,
-                      max_weight_difference, requires_cuda, run)
+from conftest import (ACCUMULATE, PLAIN, PYTHON, REPO, STEPS, TINY_TRAIN, assert_same_training, free_port, launch,
+                      logged, max_weight_difference, requires_cuda, run)
 from trainer_ext.options import ArgumentsError, check_sharded_ddp_machine
 
 SCRIPT = REPO / "tests" / "scripts" / "parse_args.py"
@@ -101,6 +101,19 @@ def test_optimizer_state_per_rank_is_one_over_n(tmp_path):
     assert result["optimizer_state_bytes_per_rank"]["ddp"][0] == 2 * result["parameter_bytes"]
     assert result["max_loss_difference"] < 1e-5
     assert "simple / DDP" in (tmp_path / "result.md").read_text()
+
+
+def test_simple_under_bf16_runs_the_forward_in_bf16_like_ddp(tmp_path):
+    """`simple` wraps the model itself, so accelerate never adds autocast: its --bf16/--fp16 forward ran in fp32
+    (0.17x the plain run's speed under fp16 on an H100). It must train as DDP does in the same precision."""
+    flags = ["--max_steps", 6, "--per_device_train_batch_size", 8, "--learning_rate", "1e-2", "--save_strategy", "no",
+             "--use_cpu"]
+    launch("torchrun", tmp_path / "ddp_bf16", *flags, "--bf16", script=TINY_TRAIN)
+    launch("launch", tmp_path / "simple_bf16", *flags, "--bf16", "--sharded_ddp", "simple", script=TINY_TRAIN)
+    launch("torchrun", tmp_path / "ddp_fp32", *flags, script=TINY_TRAIN)
+    bf16, simple, fp32 = (logged(tmp_path / name) for name in ("ddp_bf16", "simple_bf16", "ddp_fp32"))
+    assert max(abs(bf16[s] - simple[s]) for s in bf16) < 1e-5
+    assert max(abs(bf16[s] - fp32[s]) for s in bf16) > 1e-4  # the precision is visible in the losses
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")

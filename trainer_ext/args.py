@@ -165,6 +165,12 @@ class ExtTrainingArguments(TrainingArguments):
         super().__post_init__()
 
 
+    @property
+    def place_model_on_device(self):
+        # transformers' hook for integrations: FairScale's FSDP with offload keeps the fp32 shards where it finds the
+        # model and asserts they are on the CPU, so the Trainer must not move it to the GPU first.
+        return False if "offload" in (self.sharded_ddp or []) else super().place_model_on_device
+
     def check_values(self) -> None:
         """Values transformers accepts here and fails on later (a ZeroDivisionError at the first batch, torch's
         "Invalid learning rate" once the model is loaded), all reported at once."""

@@ -1,8 +1,8 @@
 """Train a BERT built from a config (no model package, no network) on seeded random token ids with ExtTrainer and
 ExtTrainingArguments, under any launcher and backend: the model for tests that must run on a GPU machine that has
 only the repository. `--model_size tiny|small` picks the shape; every other flag is an ExtTrainingArguments flag.
-The final model and train_results.json (train_loss, ...) go to output_dir; per-step losses and grad norms are in each
-checkpoint's trainer_state.json.
+The final model, train_results.json (train_loss, ...) and trainer_state.json (per-step losses and gradient norms) go to
+output_dir.
 TINY_TRAIN_NONFINITE_STEPS="3" (or "3-": from step 3 on) makes the logits of those optimizer steps infinite, so their
 gradients hold inf/NaN: what a diverging run or a bad batch does to a real one."""
 
@@ -62,5 +62,6 @@ trainer = ExtTrainer(model=model, args=args, train_dataset=train,
                      callbacks=[NonFiniteSteps(injected)] if injected else None)
 outcome = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
 trainer.save_model()
+trainer.save_state()  # trainer_state.json in output_dir: every logged loss and gradient norm
 if trainer.is_world_process_zero():  # as the task recipes do: train_loss and the other training metrics
     (Path(args.output_dir) / "train_results.json").write_text(json.dumps(outcome.metrics, indent=2))

@@ -1,0 +1,331 @@
+"""The GPU benchmark of `make gpu-check`: every backend on a BERT-large extractive-QA model built from a config (334M
+parameters, seeded random token ids, 384 tokens, 32 per GPU), fp16 and bf16, on one GPU and, where there are several,
+on all of them; writes benchmarks/results/gpu.{md,json,png} with samples/s, tokens/s, model FLOPs utilisation, peak
+CUDA memory and the ratio of each configuration to plain ExtTrainer in the same precision on the same GPUs.
+
+    python benchmarks/gpu.py                       # all rows that fit --budget_minutes (default 9)
+    python benchmarks/gpu.py --only simple ZeRO-2  # rows whose name holds one of these
+    python benchmarks/gpu.py --profile "simple"    # one row with torch.profiler tables of steps 8-10
+
+No model package and no network: everything is built from a config. Needs deepspeed and fairscale for their rows (a
+row whose package is missing is reported, not run). Rows run in priority order and a row that would not finish
+inside the budget is listed as not run, so the command ends in time on any GPU."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO))
+
+from backends import PEAK_FLOPS, free_port, model_flops_per_token, samples_per_second  # noqa: E402
+from train import SHAPES  # noqa: E402
+
+GIB = 2 ** 30
+BASELINE = "plain, ExtTrainer"
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    trainer: str  # stock | ext
+    launcher: str  # torchrun | deepspeed
+    flags: tuple = ()
+    precisions: tuple = ("bf16", "fp16")
+    needs: str = ""  # the package the row needs
+    notes: str = ""
+
+
+# In priority order: the rows that decide the issue's targets first; the budget cuts from the end.
+CONFIGS = [
+    Config(BASELINE, "ext", "torchrun"),
+    Config("ZeRO-2, ExtTrainer (zero2_minimal: our defaults)", "ext", "deepspeed", ("--deepspeed", "zero2_minimal"),
+           needs="deepspeed"),
+    Config("plain, stock Trainer", "stock", "torchrun"),
+    Config("simple, ExtTrainer", "ext", "torchrun", ("--sharded_ddp", "simple"), needs="fairscale"),
+    Config("zero_dp_2, ExtTrainer", "ext", "torchrun", ("--sharded_ddp", "zero_dp_2"), needs="fairscale"),
+    Config("zero_dp_3, ExtTrainer", "ext", "torchrun", ("--sharded_ddp", "zero_dp_3"), needs="fairscale"),
+    Config("ZeRO-2, stock Trainer (zero2_auto.json: the anchor)", "stock", "deepspeed",
+           ("--deepspeed", "ds_configs/zero2_auto.json"), needs="deepspeed"),
+    Config("recipe: plain, ExtTrainer --torch_compile", "ext", "torchrun", ("--torch_compile", "true"),
+           precisions=("bf16",), notes="the README recipe for the highest MFU"),
+    Config("ZeRO-2 + optimizer offload, ExtTrainer (zero2_offload)", "ext", "deepspeed",
+           ("--deepspeed", "zero2_offload"), needs="deepspeed"),
+    Config("zero_dp_2 offload, ExtTrainer", "ext", "torchrun", ("--sharded_ddp", "zero_dp_2 offload"),
+           needs="fairscale"),
+]
+
+
+def command(config: Config, precision: str, ranks: int, args, out: Path, profile: str | None = None) -> list[str]:
+    bin_dir = Path(sys.executable).parent
+    port = str(free_port())
+    launcher = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+                     port],
+        "deepspeed": [shutil.which("deepspeed", path=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+                      or "deepspeed", "--num_gpus", str(ranks), "--master_port", port],
+    }[config.launcher]
+    flags = ["--trainer", config.trainer, "--model_config", args.model_config, "--max_seq_length",
+             str(args.seq_length), "--report_dir", str(out / "report"), "--output_dir", str(out / "output"),
+             "--max_steps", str(args.steps), "--per_device_train_batch_size", str(args.batch_size),
+             "--learning_rate", "5e-5", "--warmup_steps", "2", "--logging_steps", "1", "--save_strategy", "no",
+             "--report_to", "none", "--disable_tqdm", "true", "--seed", "42", f"--{precision}", *config.flags]
+    if config.trainer == "stock":  # a classifier's loss is not multiplied by the world size (see backends.py)
+        flags += ["--average_tokens_across_devices", "false"]
+    if args.allow_cpu:
+        flags.append("--use_cpu")
+    if profile:
+        flags += ["--profile_steps", profile]
+    return [*launcher, str(HERE / "train.py"), *flags]
+
+
+def run_once(config: Config, precision: str, ranks: int, args, root: Path, profile: str | None = None) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="run-", dir=root))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])))
+    started = time.perf_counter()
+    done = subprocess.run(command(config, precision, ranks, args, out, profile), capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=max(60.0, args.run_timeout))
+    result = {"wall_seconds": time.perf_counter() - started}
+    reports = [out / "report" / f"rank{r}.json" for r in range(ranks)]
+    if done.returncode != 0 or not all(path.is_file() for path in reports):
+        lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+        # the rank's own message, not the launcher's summary of it
+        errors = ([line for line in lines if "error:" in line] or
+                  [line for line in lines if "Error" in line and "elastic" not in line and "ChildFailed" not in line])
+        result["failed"] = (errors or lines or ["no output"])[-1].strip()[:300]
+        result["log"] = (done.stdout[-3000:] + "\n" + done.stderr[-6000:])
+    else:
+        result["reports"] = [json.loads(path.read_text()) for path in reports]
+        for path in sorted((out / "report").glob("profile_rank*.txt")):
+            result.setdefault("profiles", {})[path.name] = path.read_text()
+    shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+def summarise(config: Config, precision: str, ranks: int, run: dict, args, device: str) -> dict:
+    row = {"name": config.name, "precision": precision, "ranks": ranks, "wall_seconds": run["wall_seconds"]}
+    if "failed" in run:
+        return {**row, "status": f"failed: {run['failed']}"}
+    first = run["reports"][0]
+    shape = SHAPES[args.model_config]
+    speed = samples_per_second(first, args.warmup, args.batch_size * ranks)
+    row.update(status="ok", samples_per_second=speed, tokens_per_second=speed * args.seq_length,
+               num_parameters=first["num_parameters"], losses=first["losses"],
+               peak_cuda_bytes=max(report.get("peak_cuda_bytes") or 0 for report in run["reports"]))
+    peak = next((v.get(precision) for k, v in PEAK_FLOPS.items() if k in device), None)
+    if peak:
+        flops = model_flops_per_token(first["num_parameters"], shape["num_hidden_layers"], shape["hidden_size"],
+                                      args.seq_length)
+        row["mfu"] = flops * row["tokens_per_second"] / (peak * ranks)
+    return row
+
+
+def plan_runs(configs: list[Config], rank_counts: list[int]) -> list[tuple[Config, str, int]]:
+    """bf16 before fp16, one GPU before all of them, each in the configs' priority order."""
+    runs = []
+    for ranks in rank_counts:
+        for precision in ("bf16", "fp16"):
+            runs += [(config, precision, ranks) for config in configs if precision in config.precisions]
+    return runs
+
+
+def missing_package(config: Config) -> str | None:
+    return config.needs if config.needs and importlib.util.find_spec(config.needs) is None else None
+
+
+def prebuild_deepspeed_ops() -> str:
+    """Build DeepSpeed's FusedAdam and CPUAdam once, before the clock of any row (a first build takes minutes)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed not installed"
+    from trainer_ext.cuda_arch import prepare_for_deepspeed
+
+    prepare_for_deepspeed()  # TORCH_CUDA_ARCH_LIST=9.0a would stop the build
+    code = ("from deepspeed.accelerator import get_accelerator\n"
+            "for name in ('FusedAdamBuilder', 'CPUAdamBuilder'):\n"
+            "    builder = get_accelerator().create_op_builder(name)\n"
+            "    if builder is not None and builder.is_compatible(verbose=False): builder.load(verbose=False)\n")
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    status = "built" if done.returncode == 0 else f"build failed: {done.stderr.strip().splitlines()[-1:]}"
+    return f"DeepSpeed ops {status} in {time.perf_counter() - started:.0f} s"
+
+
+def write_results(path: Path, rows: list[dict], meta: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    path.write_text(markdown(rows, meta))
+    write_figure(path.with_suffix(".png"), rows, meta)
+
+
+def baseline_of(rows: list[dict], row: dict) -> dict | None:
+    return next((r for r in rows if r["name"] == BASELINE and r["precision"] == row["precision"]
+                 and r["ranks"] == row["ranks"] and r["status"] == "ok"), None)
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# GPU benchmark: {meta['model_config']} on {meta['device']}", "",
+             f"Made by `python benchmarks/gpu.py --steps {meta['steps']} --warmup {meta['warmup']}` "
+             f"({meta['started']}, {meta['minutes']:.1f} min; torch {meta['torch']}, transformers "
+             f"{meta['transformers']}, deepspeed {meta['deepspeed']}, fairscale {meta['fairscale']}). "
+             f"{meta['num_parameters_text']}, seeded random token ids, {meta['seq_length']} tokens, "
+             f"{meta['batch_size']} per GPU, AdamW 5e-5, dropout off. samples/s = global batch / median time between "
+             f"step ends over steps {meta['warmup'] + 1}-{meta['steps']}. MFU: (6·N + 12·L·h·s) FLOPs per token "
+             "against the GPU's dense peak for the precision. × plain: against plain ExtTrainer in the same precision "
+             "on the same GPUs.", "", f"{meta['prebuild']}.", ""]
+    for ranks in sorted({row["ranks"] for row in rows}):
+        lines += [f"## {ranks} GPU{'s' if ranks > 1 else ''}", "",
+                  "| configuration | precision | samples/s | tokens/s | × plain | MFU | peak CUDA GiB | final loss | "
+                  "max loss difference to plain |", "|---|---|---|---|---|---|---|---|---|"]
+        for row in (r for r in rows if r["ranks"] == ranks):
+            if row["status"] != "ok":
+                lines.append(f"| {row['name']} | {row['precision']} | {row['status']} | | | | | | |")
+                continue
+            base = baseline_of(rows, row)
+            ratio = f"{row['samples_per_second'] / base['samples_per_second']:.2f}" if base else ""
+            difference = (f"{max(abs(a - b) for a, b in zip(row['losses'], base['losses'])):.1e}" if base else "")
+            mfu = f"{row['mfu']:.1%}" if "mfu" in row else ""
+            lines.append(f"| {row['name']} | {row['precision']} | {row['samples_per_second']:.1f} | "
+                         f"{row['tokens_per_second']:.0f} | {ratio} | {mfu} | {row['peak_cuda_bytes'] / GIB:.1f} | "
+                         f"{row['losses'][-1]:.4f} | {difference} |")
+        lines.append("")
+    lines += [f"![throughput ratio and peak memory]({Path(meta['results']).with_suffix('.png').name})", ""]
+    return "\n".join(lines)
+
+
+def write_figure(path: Path, rows: list[dict], meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [row for row in rows if row["status"] == "ok" and baseline_of(rows, row)]
+    if not done:
+        return
+    labels = [f"{row['name']} ({row['precision']}, {row['ranks']} GPU)" for row in done]
+    figure, (speed, memory) = plt.subplots(1, 2, figsize=(15, 0.38 * len(done) + 2.2), sharey=True)
+    positions = range(len(done))
+    colors = ["#4c72b0" if row["precision"] == "bf16" else "#dd8452" for row in done]
+    speed.barh(positions, [row["samples_per_second"] / baseline_of(rows, row)["samples_per_second"] for row in done],
+               color=colors)
+    speed.axvline(1.0, color="black", linewidth=0.8)
+    speed.axvline(0.9, color="grey", linewidth=0.8, linestyle=":")
+    speed.set(xlabel="samples/s × plain ExtTrainer (same precision, same GPUs)", title="Throughput")
+    memory.barh(positions, [row["peak_cuda_bytes"] / GIB for row in done], color=colors)
+    memory.set(xlabel="peak CUDA memory allocated, GiB (most loaded rank)", title="Memory")
+    speed.set_yticks(list(positions), labels, fontsize=8)
+    speed.invert_yaxis()
+    figure.suptitle(f"{meta['model_config']}, {meta['seq_length']} tokens × {meta['batch_size']} per GPU on "
+                    f"{meta['device']} (blue bf16, orange fp16)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def versions() -> dict:
+    import importlib.metadata as metadata
+
+    found = {}
+    for name in ("torch", "transformers", "deepspeed", "fairscale"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model_config", choices=sorted(SHAPES), default="bert-large-qa")
+    parser.add_argument("--seq_length", type=int, default=384)
+    parser.add_argument("--batch_size", type=int, default=32, help="per GPU")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=6, help="steps left out of samples/s (compilation, first "
+                                                              "allocations)")
+    parser.add_argument("--budget_minutes", type=float, default=9.0, help="rows that would end later are not run")
+    parser.add_argument("--run_timeout", type=float, default=300, help="seconds before one row is given up")
+    parser.add_argument("--ranks", type=int, nargs="*", help="GPU counts to run on (default: 1 and all GPUs)")
+    parser.add_argument("--only", nargs="*", help="substrings of configuration names to run (default: all)")
+    parser.add_argument("--precision", choices=("bf16", "fp16"), nargs="*", help="default: both")
+    parser.add_argument("--profile", metavar="NAME", help="run the first row whose name holds NAME with "
+                                                          "torch.profiler over 3 steps; print its tables")
+    parser.add_argument("--results", default=str(HERE / "results" / "gpu.md"))
+    parser.add_argument("--allow_cpu", action="store_true", help=argparse.SUPPRESS)  # the CPU test of this script
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print("benchmarks/gpu.py: error: no CUDA GPU on this machine (torch.cuda.is_available() is False); run it "
+              "on a GPU machine with a CUDA build of torch", file=sys.stderr)
+        return 2
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    rank_counts = args.ranks or sorted({1, gpus})
+    configs = [c for c in CONFIGS if not args.only or any(s in c.name for s in args.only)]
+    runs = [(c, p, r) for c, p, r in plan_runs(configs, rank_counts) if not args.precision or p in args.precision]
+    if args.profile:
+        config, precision, ranks = next(((c, p, r) for c, p, r in runs if args.profile in c.name), (None, None, None))
+        if config is None:
+            print(f"benchmarks/gpu.py: error: --profile {args.profile!r} names no row; rows: "
+                  f"{', '.join(c.name for c in CONFIGS)}", file=sys.stderr)
+            return 2
+        root = Path(tempfile.mkdtemp(prefix="trainer-ext-gpu-"))
+        run = run_once(config, precision, ranks, args, root, profile=f"{args.steps - 2}-{args.steps}")
+        print(run.get("log", "") if "failed" in run else "\n".join(run.get("profiles", {}).values()))
+        return 1 if "failed" in run else 0
+
+    clock, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M")
+    prebuild = prebuild_deepspeed_ops() if any(c.needs == "deepspeed" for c, _, _ in runs) else "no DeepSpeed rows"
+    print(prebuild, flush=True)
+    root = Path(tempfile.mkdtemp(prefix="trainer-ext-gpu-"))
+    meta = {"model_config": args.model_config, "device": f"{gpus} × {device}", "steps": args.steps,
+            "warmup": args.warmup, "seq_length": args.seq_length, "batch_size": args.batch_size,
+            "started": started, "prebuild": prebuild, "results": args.results, **versions(),
+            "num_parameters_text": f"BERT {args.model_config}"}
+    rows, walls = [], []
+    for config, precision, ranks in runs:
+        row = {"name": config.name, "precision": precision, "ranks": ranks}
+        elapsed = time.perf_counter() - clock
+        estimate = statistics.median(walls) if walls else 60.0
+        if missing_package(config):
+            row["status"] = f"not run: {missing_package(config)} is not installed"
+        elif elapsed + estimate > args.budget_minutes * 60:
+            row["status"] = f"not run: --budget_minutes {args.budget_minutes:g} reached"
+        else:
+            try:
+                run = run_once(config, precision, ranks, args, root)
+            except subprocess.TimeoutExpired:
+                run = {"failed": f"no result within --run_timeout {args.run_timeout:g} s",
+                       "wall_seconds": args.run_timeout}
+            walls.append(run["wall_seconds"])
+            row = summarise(config, precision, ranks, run, args, device)
+            if "log" in run:
+                print(run["log"], file=sys.stderr)
+        rows.append(row)
+        shown = f"{row['samples_per_second']:.1f} samples/s" if row.get("status") == "ok" else row["status"]
+        print(f"{config.name} ({precision}, {ranks} GPU): {shown}", flush=True)
+        if "num_parameters" in row:
+            meta["num_parameters_text"] = f"BERT {args.model_config} ({row['num_parameters'] / 1e6:.1f}M parameters)"
+        meta["minutes"] = (time.perf_counter() - clock) / 60
+        write_results(Path(args.results), rows, meta)  # after every row: a cut-short run still leaves its tables
+    shutil.rmtree(root, ignore_errors=True)
+    print(f"wrote {args.results} and {Path(args.results).with_suffix('.png')} in {meta['minutes']:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

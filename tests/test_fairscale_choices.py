@@ -1,0 +1,76 @@
+"""FairScale's CUDA-only modes (FSDP: zero_dp_2/zero_dp_3, offload) pinned on a CPU machine: the arguments FSDP gets,
+the optimizer it steps under fp16, the gradient dtypes that optimizer sees, and where the Trainer leaves the model.
+Each choice fixes a failure measured on an H100; tests/test_cuda.py runs them for real where a GPU is present."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import TrainingArguments
+
+from trainer_ext import ExtTrainingArguments
+from trainer_ext.backends.fairscale import fsdp_settings, grads_in_parameter_dtype, optimizer_kwargs_for_scaler
+
+
+def flags(fp16=False, bf16=False, device="cuda:0"):
+    return SimpleNamespace(fp16=fp16, bf16=bf16, device=torch.device(device))
+
+
+@pytest.mark.parametrize("options,precision,expected", [
+    (["zero_dp_2"], {}, dict(reshard_after_forward=False, mixed_precision=False, compute_dtype=torch.float32,
+                             move_params_to_cpu=False)),
+    (["zero_dp_3"], {"fp16": True}, dict(reshard_after_forward=True, mixed_precision=True, compute_dtype=torch.float16,
+                                         move_params_to_cpu=False)),
+    (["zero_dp_3", "offload"], {"bf16": True}, dict(reshard_after_forward=True, mixed_precision=True,
+                                                    compute_dtype=torch.bfloat16, move_params_to_cpu=True)),
+])
+def test_fsdp_gets_the_options_and_precision_asked_for(options, precision, expected):
+    """A wrong compute dtype or a lost offload would train in another precision or run out of GPU memory."""
+    settings = fsdp_settings(options, flags(**precision))
+    assert {key: settings[key] for key in expected} == expected
+    assert settings["compute_device"] == torch.device("cuda:0")
+    assert settings["flatten_parameters"] is False  # names kept: no weight decay on biases and LayerNorm
+
+
+def test_fused_adamw_is_swapped_for_foreach_only_under_fsdp_fp16():
+    """FairScale's ShardedGradScaler calls step(grad_scaler=...) on torch's fused AdamW, which rejects it (TypeError)."""
+    fused = {"lr": 1e-3, "fused": True}
+    assert optimizer_kwargs_for_scaler(fused, flags(fp16=True), ["zero_dp_2"]) == {"lr": 1e-3, "fused": False,
+                                                                                     "foreach": True}
+    assert optimizer_kwargs_for_scaler(fused, flags(bf16=True), ["zero_dp_2"]) is fused  # no scaler under bf16
+    assert optimizer_kwargs_for_scaler({"lr": 1e-3}, flags(fp16=True), ["zero_dp_3"]) == {"lr": 1e-3}
+    # the contract the swap relies on: fused AdamW unscales for itself, foreach AdamW leaves it to the scaler
+    parameter = [torch.nn.Parameter(torch.zeros(2))]
+    assert getattr(torch.optim.AdamW(parameter, fused=True), "_step_supports_amp_scaling", False)
+    assert not getattr(torch.optim.AdamW(parameter, foreach=True), "_step_supports_amp_scaling", False)
+
+
+@pytest.mark.parametrize("implementation", [{"foreach": True}, {"fused": True}])
+def test_bf16_gradients_of_fp32_parameters_are_cast_before_the_step(implementation):
+    """FSDP on one rank leaves gradients in the compute dtype; foreach/fused AdamW refuse a bf16 grad on an fp32
+    parameter. With the hook the step equals the step on the fp32 gradient."""
+    master = torch.arange(4, dtype=torch.float32)
+    gradient = torch.tensor([0.5, -1.0, 2.0, 0.25])
+    # as FSDP leaves it: backward on the bf16 copy, then the parameter's data swapped back to the fp32 shard
+    weights = torch.nn.Parameter(master.to(torch.bfloat16))
+    weights.grad = gradient.to(torch.bfloat16)
+    weights.data = master.clone()
+    assert (weights.dtype, weights.grad.dtype) == (torch.float32, torch.bfloat16)
+    reference = torch.nn.Parameter(master.clone())
+    reference.grad = gradient.to(torch.bfloat16).float()
+    optimizer = torch.optim.AdamW([weights], lr=0.1, **implementation)
+    optimizer.register_step_pre_hook(grads_in_parameter_dtype)
+    optimizer.step()
+    torch.optim.AdamW([reference], lr=0.1, **implementation).step()
+    assert weights.grad.dtype == torch.float32
+    assert torch.equal(weights, reference)
+
+
+def test_offload_keeps_the_model_where_fsdp_wants_it():
+    """FSDP with move_params_to_cpu asserts the fp32 shards are on the CPU: the Trainer must not move the model to the
+    GPU first (transformers' place_model_on_device hook, which a rename in transformers would silently bypass)."""
+    assert isinstance(TrainingArguments.__dict__["place_model_on_device"], property)
+    args = ExtTrainingArguments(output_dir="unused", use_cpu=True, report_to="none")
+    assert args.place_model_on_device is None  # transformers decides, as before
+    args.sharded_ddp = ["zero_dp_2", "offload"]  # only CUDA machines accept it at parse time
+    assert args.place_model_on_device is False
