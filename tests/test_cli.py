@@ -60,6 +60,14 @@ def test_bad_input_exits_2_with_message_on_stderr(tmp_path):
         assert out.stdout == ""
 
 
+def test_a_flag_typed_at_its_default_conflicts_with_the_file():
+    """ds-config must render what training would run: a typed --learning_rate 5e-5 is not the file's 3e-5."""
+    out = run([CLI, "ds-config", "--deepspeed", "zero2", "--learning_rate", "5e-5", "--world_size", "2",
+               "--num_training_steps", "10"])
+    assert out.returncode == 2 and out.stdout == ""
+    assert "optimizer.params.lr=3e-05 in the file disagrees with --learning_rate 5e-05" in out.stderr
+
+
 def test_unknown_command_suggests_the_closest():
     out = run([CLI, "ds-conifg"])
     assert out.returncode == 2 and "ds-config" in out.stderr

@@ -3,10 +3,12 @@ at parse time, and the DeepSpeed config resolved against the flags before transf
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import os
 import sys
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +93,22 @@ def cpu_ranks(args) -> bool:
     return bool(getattr(args, "use_cpu", False)) or not accelerator_available()
 
 
+# The ExtArgumentParser whose command line is being turned into dataclasses right now (it passes every field).
+_PARSING: ContextVar[ExtArgumentParser | None] = ContextVar("trainer_ext_parsing", default=None)
+
+
+def fields_given(cls, args: tuple, kwargs: dict) -> frozenset[str] | None:
+    """The fields the user gave to this construction: those on the command line when ExtArgumentParser builds it,
+    else the arguments passed (an experiment file, a call from Python). A construction passing every field (plain
+    HfArgumentParser, a rebuild from to_dict()) says nothing about what was typed: None."""
+    parser = _PARSING.get()
+    if parser is not None:
+        return parser.flags_given
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    given = frozenset(names[:len(args)]) | frozenset(kwargs)
+    return None if given >= set(names) else given
+
+
 @dataclass
 class ExtTrainingArguments(TrainingArguments):
     sharded_ddp: list[str] | None = field(
@@ -122,6 +140,13 @@ class ExtTrainingArguments(TrainingArguments):
         default=None, metadata={"help": "fsspec options for --checkpoint_uri as JSON, e.g. "
                                         '\'{"endpoint_url": "http://127.0.0.1:9000"}\'.'}
     )
+
+    def __new__(cls, *args, **kwargs):
+        # __new__, not __init__: it sees the constructor's arguments in every dataclass subclass too (each generates
+        # its own __init__), before __post_init__ resolves the DeepSpeed file against the flags.
+        self = super().__new__(cls)
+        self.flags_given = fields_given(cls, args, kwargs)  # deepspeed_config.flag_given reads it
+        return self
 
     def __post_init__(self):
         quiet_deepspeed_on_cpu_machines()
@@ -206,7 +231,8 @@ class ExtTrainingArguments(TrainingArguments):
 class ExtArgumentParser(HfArgumentParser):
     """HfArgumentParser that reports bad flags as `error: ...` with exit status 2, before any work starts:
     misspelled flags get the closest valid one, invalid combinations name the option. Abbreviated flags are
-    refused: argparse would silently read a typo like --learning_rat as --learning_rate."""
+    refused: argparse would silently read a typo like --learning_rat as --learning_rate. It records the flags the
+    command line names (`flags_given`), so a flag typed at its default still beats a DeepSpeed file."""
 
     def __init__(self, dataclass_types, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
@@ -228,13 +254,33 @@ class ExtArgumentParser(HfArgumentParser):
             messages.append(f"unrecognized argument {word}" + (f" (did you mean {hint[0]}?)" if hint else ""))
         self.error("; ".join(messages))
 
+    def flags_named(self, argv) -> frozenset[str]:
+        """The fields argv names in any spelling the parser accepts (--flag value, --flag=value, --flag-name,
+        --no_flag), whatever the value: a flag typed at its default is given."""
+        given = set()
+        for word in argv:
+            if word == "--":
+                break
+            action = self._option_string_actions.get(str(word).split("=", 1)[0])
+            if action is not None:
+                given.add(action.dest)
+        return frozenset(given)
+
+    def parse_known_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)  # with any .args file's words HfArgumentParser added
+        self.flags_given = self.flags_named(argv)
+        return super().parse_known_args(argv, namespace)
+
     def parse_args_into_dataclasses(self, args=None, **kwargs):
         argv = sys.argv[1:] if args is None else list(args)
         if not kwargs.get("return_remaining_strings"):
             self.check_unknown(argv)
+        parsing = _PARSING.set(self)
         try:
             return super().parse_args_into_dataclasses(args=argv, **kwargs)
         except (UserError, ValueError) as err:  # a bad flag, file or path (or transformers' own checks): exit 2
             if debugging():
                 raise
             self.error(str(err))
+        finally:
+            _PARSING.reset(parsing)

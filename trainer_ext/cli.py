@@ -35,6 +35,7 @@ def ds_config(argv: list[str]) -> int:
     parser.check_unknown(argv)
     # A namespace, not TrainingArguments: rendering a config for a GPU cluster must work on a CPU login node.
     args = parser.parse_args(argv)
+    args.flags_given = parser.flags_given  # a flag typed at its default still beats the file, as in training
     try:
         check_fp16_backend(args.fp16_backend, args.fp16_opt_level)
         args.warmup_steps = merge_warmup_ratio(args.warmup_steps, args.warmup_ratio)

@@ -16,7 +16,8 @@ from typing import Any
 
 from .errors import UserError
 
-# TrainingArguments defaults of the flags the translator reads; a test checks them against transformers.
+# TrainingArguments defaults of the flags the translator reads; a test checks them against transformers. Arguments
+# with no record of what was typed (stock TrainingArguments, a dict) count a flag as given when it differs from these.
 FLAG_DEFAULTS: dict[str, Any] = {
     "per_device_train_batch_size": 8,
     "gradient_accumulation_steps": 1,
@@ -291,6 +292,17 @@ def flag_value(args: Any, name: str) -> Any:
     return getattr(value, "value", value)  # enums (SchedulerType) -> their string
 
 
+def flag_given(args: Any, name: str) -> bool:
+    """Whether the user gave this flag: the one place the file-vs-flag rule asks. Arguments that record what was
+    given (`flags_given`: ExtTrainingArguments, trainer-ext ds-config) are believed, so a flag typed at its default
+    still counts; anything else (stock TrainingArguments, a namespace, a dict) counts a flag that differs from its
+    default."""
+    given = None if isinstance(args, dict) else getattr(args, "flags_given", None)
+    if given is not None:
+        return name in given
+    return not _same(flag_value(args, name), FLAG_DEFAULTS[name])
+
+
 def resolve_world_size(world_size: int | None = None) -> int:
     """Explicit argument, else WORLD_SIZE, else an initialised process group, else 1."""
     if world_size is not None:
@@ -403,14 +415,14 @@ class _Resolver:
         return flag_value(self.args, name)
 
     def flag_is_set(self, name) -> bool:
-        return not _same(self.flag(name), FLAG_DEFAULTS[name])
+        return flag_given(self.args, name)
 
     def source(self, path, where):
         self.result.sources[path] = where
 
     def reconcile(self, path: str, flag: str, flag_val: Any = None, write_back=None) -> Any:
-        """Fill `path` from `flag` unless the file sets it; a file value beats a default flag and is written
-        back; a non-default flag that disagrees with the file is a conflict. Returns the effective value."""
+        """Fill `path` from `flag` unless the file sets it; a file value beats a flag the user did not give and is
+        written back; a given flag that disagrees with the file is a conflict. Returns the effective value."""
         if flag_val is None:
             flag_val = self.flag(flag)
         file_val = _get(self.config, path)
