@@ -305,3 +305,14 @@ def test_stock_training_arguments_keep_the_differs_from_default_rule(tmp_path):
     resolution = resolve_deepspeed_config(args, config, world_size=2, num_training_steps=10)
     assert resolution.effective_flags["per_device_train_batch_size"] == 50
     assert resolution.effective_flags["learning_rate"] == 3e-5
+
+
+@pytest.mark.parametrize("config,phrase", [
+    ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "optimizer.params.lr=-1 in the file (it would set "
+                                                             "--learning_rate): must be >= 0"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5]}}}, "optimizer.params.betas[1]=1.5"),
+    ({"gradient_clipping": "x"}, "gradient_clipping=\"x\" in the file (it would set --max_grad_norm): must be a number"),
+])
+def test_file_values_out_of_the_flag_ranges_are_refused(config, phrase):
+    """A file's negative lr would reach torch's "Invalid learning rate" after the model is loaded."""
+    assert any(phrase in problem for problem in problems({}, config))

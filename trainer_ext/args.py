@@ -19,9 +19,8 @@ from .cuda_arch import prepare_for_deepspeed
 from .errors import UserError, debugging
 from .leftovers import clear_leftovers
 from .deepspeed_config import load_deepspeed_config, resolve_deepspeed_config
-from .options import (FP16_BACKENDS, FP16_OPT_LEVELS, SHARDED_DDP_OPTIONS, ArgumentsError, check_fp16_backend,
-                      check_fp16_device, check_sharded_ddp_machine, merge_warmup_ratio, parse_class_weights,
-                      parse_sharded_ddp, parse_storage_options)
+from .options import (FP16_BACKENDS, FP16_OPT_LEVELS, SHARDED_DDP_OPTIONS, ArgumentsError, check_fp16_device,
+                      check_sharded_ddp_machine, flag_problems)
 
 logger = logging.getLogger(__name__)
 
@@ -150,14 +149,8 @@ class ExtTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         quiet_deepspeed_on_cpu_machines()
-        self.sharded_ddp = parse_sharded_ddp(self.sharded_ddp)
-        check_fp16_backend(self.fp16_backend, self.fp16_opt_level)
-        self.warmup_steps = merge_warmup_ratio(self.warmup_steps, self.warmup_ratio)
-        self.class_weights = parse_class_weights(self.class_weights)
-        self.checkpoint_storage_options = parse_storage_options(self.checkpoint_storage_options)
-        if self.sharded_ddp and self.deepspeed:
-            raise ArgumentsError(f"--sharded_ddp {' '.join(self.sharded_ddp)} and --deepspeed both choose a "
-                                 "backend: give only one of them")
+        if problems := flag_problems(self):  # what this machine cannot change; trainer-ext ds-config runs the same
+            raise ArgumentsError("\n".join(problems))
         self.deepspeed_user_config = None  # the file as given; re-resolved once the step count is known
         self.deepspeed_resolution = None
         if self.deepspeed:
@@ -176,7 +169,7 @@ class ExtTrainingArguments(TrainingArguments):
         check_fp16_device(self.fp16, torch.cuda.is_available(), from_file)
         if self.sharded_ddp:
             check_sharded_ddp_machine(self.sharded_ddp, torch.cuda.is_available(), bool(self.fp16 or self.bf16))
-        self.check_values()
+        self.check_output_dir()
         self.check_paths()
         if launched_world_size() > 1 and not self.use_cpu and not accelerator_available():
             # Without it transformers 5 leaves each CPU rank on its own: N independent runs, no error.
@@ -190,28 +183,15 @@ class ExtTrainingArguments(TrainingArguments):
         super().__post_init__()
 
 
-    def check_values(self) -> None:
-        """Values transformers accepts here and fails on later (a ZeroDivisionError at the first batch, torch's
-        "Invalid learning rate" once the model is loaded), all reported at once."""
-        problems = [f"--{name} {getattr(self, name)}: must be a positive integer"
-                    for name in ("per_device_train_batch_size", "per_device_eval_batch_size",
-                                 "gradient_accumulation_steps") if getattr(self, name) < 1]
-        problems += [f"--{name} {getattr(self, name)}: must be >= 0" for name in
-                     ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon") if getattr(self, name) < 0]
-        problems += [f"--{name} {getattr(self, name)}: must be in [0, 1)" for name in ("adam_beta1", "adam_beta2")
-                     if not 0 <= getattr(self, name) < 1]
-        if self.do_train and self.max_steps <= 0 and self.num_train_epochs <= 0:
-            problems.append(f"--num_train_epochs {self.num_train_epochs} and --max_steps {self.max_steps}: nothing "
-                            "to train; give a positive --num_train_epochs or --max_steps")
+    def check_output_dir(self) -> None:
+        """--output_dir is a folder this process can write (or create), checked before any training."""
         output = Path(self.output_dir) if self.output_dir else None
         if output is not None and output.exists() and not output.is_dir():
-            problems.append(f"--output_dir {output}: is a file, not a folder")
-        elif output is not None:
+            raise ArgumentsError(f"--output_dir {output}: is a file, not a folder")
+        if output is not None:
             existing = next(p for p in (output, *output.parents) if p.exists())
             if not os.access(existing, os.W_OK | os.X_OK):
-                problems.append(f"--output_dir {output}: {existing} is not writable")
-        if problems:
-            raise ArgumentsError("; ".join(problems))
+                raise ArgumentsError(f"--output_dir {output}: {existing} is not writable")
 
     def check_paths(self) -> None:
         """What can be checked before the model is loaded (seconds to minutes on a big model): an explicit checkpoint

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .options import out_of_range
 
 # TrainingArguments defaults of the flags the translator reads; a test checks them against transformers. Arguments
 # with no record of what was typed (stock TrainingArguments, a dict) count a flag as given when it differs from these.
@@ -439,6 +440,10 @@ class _Resolver:
                 f"{path}={json.dumps(file_val)} in the file disagrees with --{flag} {_show(flag_val)}: "
                 f"drop --{flag}, change {path} to {json.dumps(flag_val)}, or set {path} to \"auto\"")
             return flag_val
+        if why := out_of_range(flag, file_val):
+            self.problems.append(f"{path}={json.dumps(file_val)} in the file (it would set --{flag}): {why}; fix it "
+                                 f"or set {path} to \"auto\"")
+            return flag_val
         (write_back or (lambda v: self.result.effective_flags.__setitem__(flag, v)))(file_val)
         self.source(path, f"file (--{flag} left at default {_show(FLAG_DEFAULTS[flag])}, now {_show(file_val)})")
         return file_val
@@ -628,6 +633,9 @@ class _Resolver:
                 if self.flag_is_set(flag):
                     self.problems.append(f"{path}[{index}]={element} in the file disagrees with --{flag} {flag_val}: "
                                          f"drop --{flag}, make them equal, or set {path} to \"auto\"")
+                elif why := out_of_range(flag, element):
+                    self.problems.append(f"{path}[{index}]={json.dumps(element)} in the file (it would set "
+                                         f"--{flag}): {why}; fix it or set {path} to \"auto\"")
                 else:
                     self.result.effective_flags[flag] = element
         betas = [self.result.effective_flags.get("adam_beta1", self.flag("adam_beta1")),
