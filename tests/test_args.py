@@ -64,6 +64,21 @@ def test_warmup_ratio_is_the_transformers_5_float_warmup(tmp_path):
         ExtTrainingArguments(output_dir=str(tmp_path), warmup_ratio=1.5)
 
 
+def test_a_parse_that_passes_every_field_keeps_the_differs_from_default_rule(tmp_path):
+    """Plain HfArgumentParser (or a rebuild from to_dict()) passes every field: taking all as typed would turn every
+    flag a DeepSpeed file also sets into a conflict; ExtArgumentParser knows the command line."""
+    from transformers import HfArgumentParser
+
+    from trainer_ext import ExtArgumentParser
+
+    argv = ["--output_dir", str(tmp_path), "--learning_rate", "5e-5"]
+    (plain,) = HfArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses(argv)
+    assert plain.flags_given is None
+    (ours,) = ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses(argv)
+    assert {"output_dir", "learning_rate"} <= ours.flags_given and "adam_beta1" not in ours.flags_given
+    assert ExtTrainingArguments(output_dir=str(tmp_path)).flags_given == {"output_dir"}
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--sharded_ddp", "simple", "zero_dp_2"], "--sharded_ddp"),
     (["--sharded_ddp", "zero_dp_3", "--deepspeed", "zero2"], "--deepspeed"),

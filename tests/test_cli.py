@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from conftest import BIN, run
 
 CLI = BIN / "trainer-ext"
@@ -58,6 +60,36 @@ def test_bad_input_exits_2_with_message_on_stderr(tmp_path):
         assert out.returncode == 2, (argv, out.stdout)
         assert expected in out.stderr, (argv, out.stderr)
         assert out.stdout == ""
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--world_size", "0"], "--world_size 0: must be at least 1"),
+    (["--world_size", "-3"], "--world_size -3: must be at least 1"),
+    (["--sharded_ddp", "simple"], "--sharded_ddp simple and --deepspeed both choose a backend"),
+])
+def test_flags_training_refuses_are_refused(argv, expected):
+    """ds-config printed train_batch_size 0 / -24, or a config for two backends, where training stops with exit 2."""
+    out = run([CLI, "ds-config", "--deepspeed", "zero2_minimal", "--num_training_steps", "10", *argv])
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert expected in out.stderr and "Traceback" not in out.stderr
+
+
+def test_every_refused_flag_is_one_line():
+    """One problem per run would cost a relaunch per flag."""
+    out = run([CLI, "ds-config", "--deepspeed", "zero2_minimal", "--world_size", "0", "--learning_rate", "-1",
+               "--sharded_ddp", "simple"])
+    assert out.returncode == 2
+    lines = out.stderr.splitlines()
+    for expected in ("--world_size 0", "--learning_rate -1.0: must be >= 0", "--sharded_ddp simple and --deepspeed"):
+        assert len([line for line in lines if expected in line]) == 1, out.stderr
+
+
+def test_a_flag_typed_at_its_default_conflicts_with_the_file():
+    """ds-config must render what training would run: a typed --learning_rate 5e-5 is not the file's 3e-5."""
+    out = run([CLI, "ds-config", "--deepspeed", "zero2", "--learning_rate", "5e-5", "--world_size", "2",
+               "--num_training_steps", "10"])
+    assert out.returncode == 2 and out.stdout == ""
+    assert "optimizer.params.lr=3e-05 in the file disagrees with --learning_rate 5e-05" in out.stderr
 
 
 def test_unknown_command_suggests_the_closest():

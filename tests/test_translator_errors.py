@@ -239,3 +239,80 @@ def test_accepts_dict_inline_json_path_and_preset(tmp_path):
     for value in ({"zero_optimization": {"stage": 2}}, '{"zero_optimization": {"stage": 2}}', str(path), "zero2_minimal"):
         config = build_deepspeed_config({}, world_size=1, num_training_steps=10, config=value)
         assert config["zero_optimization"]["stage"] == 2
+
+
+def command_line(tmp_path, *argv):
+    """ExtTrainingArguments parsed from a real argv by ExtArgumentParser (its record: the flags argv names)."""
+    from trainer_ext import ExtArgumentParser, ExtTrainingArguments
+
+    (args,) = ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), *argv])
+    return args
+
+
+CLASSIC_OPTIMIZER = {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.8, 0.999]}}
+
+
+# A flag typed at its transformers default, a file that says otherwise, what the problem must name, and the flag
+# the file sets when nothing is typed.
+WARMUP_50 = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 50}}}
+TYPED_AT_DEFAULT = {
+    "batch": (["--per_device_train_batch_size", "8"], {"train_batch_size": 100},
+              ["train_batch_size=100", "train_micro_batch_size_per_gpu=8 (flag --per_device_train_batch_size)",
+               "--per_device_train_batch_size 50"], "per_device_train_batch_size"),
+    "batch, dashed spelling": (["--per-device-train-batch-size", "8"], {"train_batch_size": 100},
+                               ["(flag --per_device_train_batch_size)"], "per_device_train_batch_size"),
+    "lr": (["--learning_rate=5e-5"], {"optimizer": CLASSIC_OPTIMIZER},
+           ["optimizer.params.lr=3e-05", "--learning_rate 5e-05"], "learning_rate"),
+    "betas": (["--adam_beta1", "0.9"], {"optimizer": CLASSIC_OPTIMIZER},
+              ["optimizer.params.betas[0]=0.8", "--adam_beta1 0.9"], "adam_beta1"),
+    "warmup steps": (["--warmup_steps", "0"], WARMUP_50, ["warmup_num_steps=50", "--warmup_steps 0"], "warmup_steps"),
+    "warmup ratio": (["--warmup_ratio", "0"], WARMUP_50, ["warmup_num_steps=50", "--warmup_ratio 0"], "warmup_steps"),
+    "fp16": (["--fp16", "false"], {"fp16": {"enabled": True}}, ["fp16.enabled=true", "--fp16 false"], "fp16"),
+    "bf16": (["--bf16=False"], {"bf16": {"enabled": True}}, ["bf16.enabled=true", "--bf16 false"], "bf16"),
+}
+
+
+@pytest.mark.parametrize("case", list(TYPED_AT_DEFAULT))
+def test_a_flag_typed_at_its_default_conflicts_with_the_file(tmp_path, case):
+    """A typed flag equal to transformers' default would silently lose to the file (micro-batch 50, lr 3e-5)."""
+    argv, config, phrases, flag = TYPED_AT_DEFAULT[case]
+    [problem] = problems(command_line(tmp_path, *argv), config)
+    for phrase in phrases:
+        assert phrase in problem
+    untyped = resolve_deepspeed_config(command_line(tmp_path), config, world_size=2, num_training_steps=100)
+    assert flag in untyped.effective_flags  # nothing typed: the file's value is taken, as before
+
+
+def test_keyword_arguments_from_python_count_as_typed(tmp_path, monkeypatch):
+    """ExtTrainingArguments(per_device_train_batch_size=8, deepspeed=...) from a script must not train on 50."""
+    from trainer_ext import ExtTrainingArguments
+
+    monkeypatch.setenv("RANK", "0")  # a launched rank: no launcher variables set for this test process
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DeepSpeedConfigError, match=r"train_batch_size=100 .*--per_device_train_batch_size 50"):
+        ExtTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8,
+                             deepspeed={"train_batch_size": 100})
+
+
+def test_stock_training_arguments_keep_the_differs_from_default_rule(tmp_path):
+    """Stock TrainingArguments carry no record of what was typed: a flag at its default gives way to the file."""
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, learning_rate=5e-5)
+    config = {"train_batch_size": 100, "optimizer": CLASSIC_OPTIMIZER}
+    resolution = resolve_deepspeed_config(args, config, world_size=2, num_training_steps=10)
+    assert resolution.effective_flags["per_device_train_batch_size"] == 50
+    assert resolution.effective_flags["learning_rate"] == 3e-5
+
+
+@pytest.mark.parametrize("config,phrase", [
+    ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "optimizer.params.lr=-1 in the file (it would set "
+                                                             "--learning_rate): must be >= 0"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5]}}}, "optimizer.params.betas[1]=1.5"),
+    ({"gradient_clipping": "x"}, "gradient_clipping=\"x\" in the file (it would set --max_grad_norm): must be a number"),
+])
+def test_file_values_out_of_the_flag_ranges_are_refused(config, phrase):
+    """A file's negative lr would reach torch's "Invalid learning rate" after the model is loaded."""
+    assert any(phrase in problem for problem in problems({}, config))

@@ -3,10 +3,12 @@ at parse time, and the DeepSpeed config resolved against the flags before transf
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import os
 import sys
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,9 +19,8 @@ from .cuda_arch import prepare_for_deepspeed
 from .errors import UserError, debugging
 from .leftovers import clear_leftovers
 from .deepspeed_config import load_deepspeed_config, resolve_deepspeed_config
-from .options import (FP16_BACKENDS, FP16_OPT_LEVELS, SHARDED_DDP_OPTIONS, ArgumentsError, check_fp16_backend,
-                      check_fp16_device, check_sharded_ddp_machine, merge_warmup_ratio, parse_class_weights,
-                      parse_sharded_ddp, parse_storage_options)
+from .options import (FP16_BACKENDS, FP16_OPT_LEVELS, SHARDED_DDP_OPTIONS, ArgumentsError, check_fp16_device,
+                      check_sharded_ddp_machine, flag_problems)
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,22 @@ def cpu_ranks(args) -> bool:
     return bool(getattr(args, "use_cpu", False)) or not accelerator_available()
 
 
+# The ExtArgumentParser whose command line is being turned into dataclasses right now (it passes every field).
+_PARSING: ContextVar[ExtArgumentParser | None] = ContextVar("trainer_ext_parsing", default=None)
+
+
+def fields_given(cls, args: tuple, kwargs: dict) -> frozenset[str] | None:
+    """The fields the user gave to this construction: those on the command line when ExtArgumentParser builds it,
+    else the arguments passed (an experiment file, a call from Python). A construction passing every field (plain
+    HfArgumentParser, a rebuild from to_dict()) says nothing about what was typed: None."""
+    parser = _PARSING.get()
+    if parser is not None:
+        return parser.flags_given
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    given = frozenset(names[:len(args)]) | frozenset(kwargs)
+    return None if given >= set(names) else given
+
+
 @dataclass
 class ExtTrainingArguments(TrainingArguments):
     sharded_ddp: list[str] | None = field(
@@ -123,16 +140,17 @@ class ExtTrainingArguments(TrainingArguments):
                                         '\'{"endpoint_url": "http://127.0.0.1:9000"}\'.'}
     )
 
+    def __new__(cls, *args, **kwargs):
+        # __new__, not __init__: it sees the constructor's arguments in every dataclass subclass too (each generates
+        # its own __init__), before __post_init__ resolves the DeepSpeed file against the flags.
+        self = super().__new__(cls)
+        self.flags_given = fields_given(cls, args, kwargs)  # deepspeed_config.flag_given reads it
+        return self
+
     def __post_init__(self):
         quiet_deepspeed_on_cpu_machines()
-        self.sharded_ddp = parse_sharded_ddp(self.sharded_ddp)
-        check_fp16_backend(self.fp16_backend, self.fp16_opt_level)
-        self.warmup_steps = merge_warmup_ratio(self.warmup_steps, self.warmup_ratio)
-        self.class_weights = parse_class_weights(self.class_weights)
-        self.checkpoint_storage_options = parse_storage_options(self.checkpoint_storage_options)
-        if self.sharded_ddp and self.deepspeed:
-            raise ArgumentsError(f"--sharded_ddp {' '.join(self.sharded_ddp)} and --deepspeed both choose a "
-                                 "backend: give only one of them")
+        if problems := flag_problems(self):  # what this machine cannot change; trainer-ext ds-config runs the same
+            raise ArgumentsError("\n".join(problems))
         self.deepspeed_user_config = None  # the file as given; re-resolved once the step count is known
         self.deepspeed_resolution = None
         if self.deepspeed:
@@ -151,7 +169,7 @@ class ExtTrainingArguments(TrainingArguments):
         check_fp16_device(self.fp16, torch.cuda.is_available(), from_file)
         if self.sharded_ddp:
             check_sharded_ddp_machine(self.sharded_ddp, torch.cuda.is_available(), bool(self.fp16 or self.bf16))
-        self.check_values()
+        self.check_output_dir()
         self.check_paths()
         if launched_world_size() > 1 and not self.use_cpu and not accelerator_available():
             # Without it transformers 5 leaves each CPU rank on its own: N independent runs, no error.
@@ -164,35 +182,21 @@ class ExtTrainingArguments(TrainingArguments):
                 self.dataloader_pin_memory = False  # nothing to pin for; torch would warn on every dataloader
         super().__post_init__()
 
-
     @property
     def place_model_on_device(self):
         # transformers' hook for integrations: FairScale's FSDP with offload keeps the fp32 shards where it finds the
         # model and asserts they are on the CPU, so the Trainer must not move it to the GPU first.
         return False if "offload" in (self.sharded_ddp or []) else super().place_model_on_device
 
-    def check_values(self) -> None:
-        """Values transformers accepts here and fails on later (a ZeroDivisionError at the first batch, torch's
-        "Invalid learning rate" once the model is loaded), all reported at once."""
-        problems = [f"--{name} {getattr(self, name)}: must be a positive integer"
-                    for name in ("per_device_train_batch_size", "per_device_eval_batch_size",
-                                 "gradient_accumulation_steps") if getattr(self, name) < 1]
-        problems += [f"--{name} {getattr(self, name)}: must be >= 0" for name in
-                     ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon") if getattr(self, name) < 0]
-        problems += [f"--{name} {getattr(self, name)}: must be in [0, 1)" for name in ("adam_beta1", "adam_beta2")
-                     if not 0 <= getattr(self, name) < 1]
-        if self.do_train and self.max_steps <= 0 and self.num_train_epochs <= 0:
-            problems.append(f"--num_train_epochs {self.num_train_epochs} and --max_steps {self.max_steps}: nothing "
-                            "to train; give a positive --num_train_epochs or --max_steps")
+    def check_output_dir(self) -> None:
+        """--output_dir is a folder this process can write (or create), checked before any training."""
         output = Path(self.output_dir) if self.output_dir else None
         if output is not None and output.exists() and not output.is_dir():
-            problems.append(f"--output_dir {output}: is a file, not a folder")
-        elif output is not None:
+            raise ArgumentsError(f"--output_dir {output}: is a file, not a folder")
+        if output is not None:
             existing = next(p for p in (output, *output.parents) if p.exists())
             if not os.access(existing, os.W_OK | os.X_OK):
-                problems.append(f"--output_dir {output}: {existing} is not writable")
-        if problems:
-            raise ArgumentsError("; ".join(problems))
+                raise ArgumentsError(f"--output_dir {output}: {existing} is not writable")
 
     def check_paths(self) -> None:
         """What can be checked before the model is loaded (seconds to minutes on a big model): an explicit checkpoint
@@ -212,7 +216,8 @@ class ExtTrainingArguments(TrainingArguments):
 class ExtArgumentParser(HfArgumentParser):
     """HfArgumentParser that reports bad flags as `error: ...` with exit status 2, before any work starts:
     misspelled flags get the closest valid one, invalid combinations name the option. Abbreviated flags are
-    refused: argparse would silently read a typo like --learning_rat as --learning_rate."""
+    refused: argparse would silently read a typo like --learning_rat as --learning_rate. It records the flags the
+    command line names (`flags_given`), so a flag typed at its default still beats a DeepSpeed file."""
 
     def __init__(self, dataclass_types, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
@@ -234,13 +239,33 @@ class ExtArgumentParser(HfArgumentParser):
             messages.append(f"unrecognized argument {word}" + (f" (did you mean {hint[0]}?)" if hint else ""))
         self.error("; ".join(messages))
 
+    def flags_named(self, argv) -> frozenset[str]:
+        """The fields argv names in any spelling the parser accepts (--flag value, --flag=value, --flag-name,
+        --no_flag), whatever the value: a flag typed at its default is given."""
+        given = set()
+        for word in argv:
+            if word == "--":
+                break
+            action = self._option_string_actions.get(str(word).split("=", 1)[0])
+            if action is not None:
+                given.add(action.dest)
+        return frozenset(given)
+
+    def parse_known_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)  # with any .args file's words HfArgumentParser added
+        self.flags_given = self.flags_named(argv)
+        return super().parse_known_args(argv, namespace)
+
     def parse_args_into_dataclasses(self, args=None, **kwargs):
         argv = sys.argv[1:] if args is None else list(args)
         if not kwargs.get("return_remaining_strings"):
             self.check_unknown(argv)
+        parsing = _PARSING.set(self)
         try:
             return super().parse_args_into_dataclasses(args=argv, **kwargs)
         except (UserError, ValueError) as err:  # a bad flag, file or path (or transformers' own checks): exit 2
             if debugging():
                 raise
             self.error(str(err))
+        finally:
+            _PARSING.reset(parsing)

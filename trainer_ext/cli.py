@@ -24,7 +24,7 @@ commands:
 def ds_config(argv: list[str]) -> int:
     from .args import ExtArgumentParser, ExtTrainingArguments
     from .deepspeed_config import DeepSpeedConfigError, explain, resolve_deepspeed_config
-    from .options import ArgumentsError, check_fp16_backend, merge_warmup_ratio
+    from .options import flag_problems
 
     parser = ExtArgumentParser(ExtTrainingArguments, prog="trainer-ext ds-config",
                                description="Resolve a DeepSpeed config against TrainingArguments flags.")
@@ -35,13 +35,17 @@ def ds_config(argv: list[str]) -> int:
     parser.check_unknown(argv)
     # A namespace, not TrainingArguments: rendering a config for a GPU cluster must work on a CPU login node.
     args = parser.parse_args(argv)
+    args.flags_given = parser.flags_given  # a flag typed at its default still beats the file, as in training
+    problems = flag_problems(args)  # training's own checks, less those of this machine
+    problems += [f"--{name} {value}: must be at least 1" for name in ("world_size", "num_training_steps", "hidden_size")
+                 if (value := getattr(args, name)) is not None and value < 1]
+    if problems:
+        parser.error("\n".join(problems))
     try:
-        check_fp16_backend(args.fp16_backend, args.fp16_opt_level)
-        args.warmup_steps = merge_warmup_ratio(args.warmup_steps, args.warmup_ratio)
         resolution = resolve_deepspeed_config(args, args.deepspeed or {}, world_size=args.world_size,
                                               num_training_steps=args.num_training_steps,
                                               hidden_size=args.hidden_size, cpu_ranks=args.use_cpu)
-    except (ArgumentsError, DeepSpeedConfigError) as err:
+    except DeepSpeedConfigError as err:
         print(f"trainer-ext ds-config: error: {err}", file=sys.stderr)
         return 2
     print(explain(resolution) if args.explain else json.dumps(resolution.config, indent=2))

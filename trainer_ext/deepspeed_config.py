@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .options import out_of_range
 
-# TrainingArguments defaults of the flags the translator reads; a test checks them against transformers.
+# TrainingArguments defaults of the flags the translator reads; a test checks them against transformers. Arguments
+# with no record of what was typed (stock TrainingArguments, a dict) count a flag as given when it differs from these.
 FLAG_DEFAULTS: dict[str, Any] = {
     "per_device_train_batch_size": 8,
     "gradient_accumulation_steps": 1,
@@ -291,6 +293,17 @@ def flag_value(args: Any, name: str) -> Any:
     return getattr(value, "value", value)  # enums (SchedulerType) -> their string
 
 
+def flag_given(args: Any, name: str) -> bool:
+    """Whether the user gave this flag: the one place the file-vs-flag rule asks. Arguments that record what was
+    given (`flags_given`: ExtTrainingArguments, trainer-ext ds-config) are believed, so a flag typed at its default
+    still counts; anything else (stock TrainingArguments, a namespace, a dict) counts a flag that differs from its
+    default."""
+    given = None if isinstance(args, dict) else getattr(args, "flags_given", None)
+    if given is not None:
+        return name in given
+    return not _same(flag_value(args, name), FLAG_DEFAULTS[name])
+
+
 def resolve_world_size(world_size: int | None = None) -> int:
     """Explicit argument, else WORLD_SIZE, else an initialised process group, else 1."""
     if world_size is not None:
@@ -403,14 +416,14 @@ class _Resolver:
         return flag_value(self.args, name)
 
     def flag_is_set(self, name) -> bool:
-        return not _same(self.flag(name), FLAG_DEFAULTS[name])
+        return flag_given(self.args, name)
 
     def source(self, path, where):
         self.result.sources[path] = where
 
     def reconcile(self, path: str, flag: str, flag_val: Any = None, write_back=None) -> Any:
-        """Fill `path` from `flag` unless the file sets it; a file value beats a default flag and is written
-        back; a non-default flag that disagrees with the file is a conflict. Returns the effective value."""
+        """Fill `path` from `flag` unless the file sets it; a file value beats a flag the user did not give and is
+        written back; a given flag that disagrees with the file is a conflict. Returns the effective value."""
         if flag_val is None:
             flag_val = self.flag(flag)
         file_val = _get(self.config, path)
@@ -426,6 +439,10 @@ class _Resolver:
             self.problems.append(
                 f"{path}={json.dumps(file_val)} in the file disagrees with --{flag} {_show(flag_val)}: "
                 f"drop --{flag}, change {path} to {json.dumps(flag_val)}, or set {path} to \"auto\"")
+            return flag_val
+        if why := out_of_range(flag, file_val):
+            self.problems.append(f"{path}={json.dumps(file_val)} in the file (it would set --{flag}): {why}; fix it "
+                                 f"or set {path} to \"auto\"")
             return flag_val
         (write_back or (lambda v: self.result.effective_flags.__setitem__(flag, v)))(file_val)
         self.source(path, f"file (--{flag} left at default {_show(FLAG_DEFAULTS[flag])}, now {_show(file_val)})")
@@ -616,6 +633,9 @@ class _Resolver:
                 if self.flag_is_set(flag):
                     self.problems.append(f"{path}[{index}]={element} in the file disagrees with --{flag} {flag_val}: "
                                          f"drop --{flag}, make them equal, or set {path} to \"auto\"")
+                elif why := out_of_range(flag, element):
+                    self.problems.append(f"{path}[{index}]={json.dumps(element)} in the file (it would set "
+                                         f"--{flag}): {why}; fix it or set {path} to \"auto\"")
                 else:
                     self.result.effective_flags[flag] = element
         betas = [self.result.effective_flags.get("adam_beta1", self.flag("adam_beta1")),

@@ -1,4 +1,5 @@
-"""Validation of trainer_ext's own flags (--sharded_ddp, --fp16_backend, --warmup_ratio); pure, no torch."""
+"""Validation of the flags (trainer_ext's own: --sharded_ddp, --fp16_backend, --warmup_ratio; and the values
+transformers accepts but fails on later); pure, no torch."""
 
 from __future__ import annotations
 
@@ -113,3 +114,59 @@ def parse_storage_options(text: str | dict | None) -> dict:
     if not isinstance(options, dict):
         raise ArgumentsError(f"--checkpoint_storage_options {text!r} must be a JSON object")
     return options
+
+
+def flag_problems(args) -> list[str]:
+    """Every check of the flags that does not depend on this machine, one line per problem: ExtTrainingArguments
+    runs it at parse time and `trainer-ext ds-config` before rendering, so both accept the same flags. Normalises in
+    place (--sharded_ddp to a list, --warmup_ratio into --warmup_steps, --class_weights to numbers,
+    --checkpoint_storage_options to a dict)."""
+    problems: list[str] = []
+
+    def checked(parse, *values, otherwise=None):
+        try:
+            return parse(*values)
+        except ArgumentsError as err:
+            problems.append(str(err))
+            return otherwise
+
+    args.sharded_ddp = checked(parse_sharded_ddp, args.sharded_ddp, otherwise=[])
+    checked(check_fp16_backend, args.fp16_backend, args.fp16_opt_level)
+    args.warmup_steps = checked(merge_warmup_ratio, args.warmup_steps, args.warmup_ratio, otherwise=args.warmup_steps)
+    args.class_weights = checked(parse_class_weights, args.class_weights)
+    args.checkpoint_storage_options = checked(parse_storage_options, args.checkpoint_storage_options, otherwise={})
+    if args.sharded_ddp and args.deepspeed:
+        problems.append(f"--sharded_ddp {' '.join(args.sharded_ddp)} and --deepspeed both choose a backend: give "
+                        "only one of them")
+    return problems + value_problems(args)
+
+
+# Values transformers accepts at parse time and fails on later (a ZeroDivisionError at the first batch, torch's
+# "Invalid learning rate" once the model is loaded): flag -> (test, what the value must be).
+FLAG_RANGES = {
+    **dict.fromkeys(("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"),
+                    (lambda value: value >= 1, "must be a positive integer")),
+    **dict.fromkeys(("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon"),
+                    (lambda value: value >= 0, "must be >= 0")),
+    **dict.fromkeys(("adam_beta1", "adam_beta2"), (lambda value: 0 <= value < 1, "must be in [0, 1)")),
+}
+
+
+def out_of_range(flag: str, value) -> str | None:
+    """What a value of --flag must be, when this one is not (a DeepSpeed file's value as well as a typed one)."""
+    if flag not in FLAG_RANGES:
+        return None
+    holds, requirement = FLAG_RANGES[flag]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"must be a number and {requirement.removeprefix('must be ')}"
+    return None if holds(value) else requirement
+
+
+def value_problems(args) -> list[str]:
+    """Flags out of FLAG_RANGES, and a training run with nothing to train."""
+    problems = [f"--{flag} {getattr(args, flag)}: {why}" for flag in FLAG_RANGES
+                if (why := out_of_range(flag, getattr(args, flag)))]
+    if args.do_train and args.max_steps <= 0 and args.num_train_epochs <= 0:
+        problems.append(f"--num_train_epochs {args.num_train_epochs} and --max_steps {args.max_steps}: nothing "
+                        "to train; give a positive --num_train_epochs or --max_steps")
+    return problems
