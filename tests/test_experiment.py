@@ -1,6 +1,6 @@
 """Experiment files (`trainer-ext train experiment.yaml`): the whole file validates before anything is built, every
-mistake is named with the closest valid key or the type expected, relative paths are relative to the file, and the
-shipped experiments train under every launcher."""
+mistake is named with the closest valid key or the type expected, relative paths are relative to the file, flags
+override the file, and the shipped experiments train under every launcher."""
 
 import json
 import os
@@ -104,15 +104,16 @@ def test_values_are_read_as_the_types_their_fields_have():
     assert experiment.data_args.max_seq_length == 64
 
 
-def test_wrong_types_are_named_all_at_once():
+def test_wrong_types_in_the_file_and_the_flags_are_named_all_at_once():
     """Each bad value gets one line naming its key, value and the type expected (was: a TypeError naming no key)."""
     values = shipped("classification")
     values["hyperparameters"]["max_steps"] = "six"
     values["hyperparameters"]["optimizer"].update(lr="fast", betas=0.9)
     values["hyperparameters"]["scheduler"]["type"] = "linaer"
     values["data"]["max_seq_length"] = 2.5
+    flags = ["--max_step", "3", "--warmup_steps", "abc", "--do_eval", "maybe"]
     with pytest.raises(ExperimentError) as caught:
-        load_experiment(values, folder=EXPERIMENTS)
+        load_experiment(values, flags, folder=EXPERIMENTS)
     lines = str(caught.value).splitlines()
     assert lines[:3] == ["experiment: hyperparameters: max_steps: expected an integer, got 'six'",
                          "experiment: hyperparameters.optimizer: lr: expected a number, got 'fast'",
@@ -120,7 +121,23 @@ def test_wrong_types_are_named_all_at_once():
                          "got 0.9"]
     assert lines[3].startswith("experiment: hyperparameters.scheduler: type: expected one of linear, cosine")
     assert lines[3].endswith("got 'linaer' (did you mean 'linear'?)")
-    assert lines[4:] == ["experiment: data: max_seq_length: expected an integer, got 2.5"]
+    assert lines[4:] == ["experiment: data: max_seq_length: expected an integer, got 2.5",
+                         "unrecognized argument --max_step (did you mean --max_steps?)",
+                         "--warmup_steps: expected a number, got 'abc'",
+                         "--do_eval: expected true or false, got 'maybe'"]
+
+
+def test_flags_override_the_file():
+    """`trainer-ext train exp.yaml --max_steps 5 ...` must train what the flags say, keeping the file's other values."""
+    flags = ["--max_steps", "5", "--learning_rate", "1e-4", "--output_dir", "elsewhere", "--sharded_ddp", "simple",
+             "--max_seq_length", "32", "--tokenizer_name", "my-tokenizer"]
+    experiment = load_experiment(EXPERIMENTS / "classification.yaml", flags)
+    args = experiment.training_args
+    assert (args.max_steps, args.learning_rate, args.weight_decay) == (5, 1e-4, 0.01)
+    assert args.output_dir == "elsewhere"  # a flag's path: relative to the current directory
+    assert args.sharded_ddp == ["simple"] and not args.deepspeed  # a backend flag replaces the file's backend
+    assert experiment.data_args.max_seq_length == 32 and experiment.model_args.tokenizer_name == "my-tokenizer"
+    assert experiment.resolved()["training"]["learning_rate"] == 1e-4
 
 
 def test_relative_paths_are_relative_to_the_experiment_file(tmp_path, monkeypatch):
@@ -159,11 +176,11 @@ def test_every_path_field_of_the_tasks_is_resolved():
                     assert field in PATH_FIELDS + NAME_OR_PATH_FIELDS, f"{cls.__name__}.{field}"
 
 
-def small_experiment(tmp_path, name="classification", **backend):
+def small_experiment(tmp_path, name="classification", max_steps=3, **backend):
     values = shipped(name)
     values.pop("deepspeed", None)
     values.update(backend)
-    values["hyperparameters"].update(output_dir=str(tmp_path / "out"), max_steps=3, logging_steps=1,
+    values["hyperparameters"].update(output_dir=str(tmp_path / "out"), max_steps=max_steps, logging_steps=1,
                                      eval_strategy="no", save_strategy="no", num_train_epochs=1)
     values["data"].update(max_train_samples=64, max_eval_samples=32, max_seq_length=32)
     values["data"].update({key: str(EXPERIMENTS / values["data"][key]) for key in DATA_FILES if key in values["data"]})
@@ -193,15 +210,16 @@ def test_a_second_run_reuses_the_tokenized_cache(tmp_path):
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "launch"])
 def test_an_experiment_trains_on_two_ranks(tmp_path, launcher):
-    """The same file under `deepspeed --module` (ZeRO-2) and `torch.distributed.launch -m` (sharded DDP)."""
+    """The same file under `deepspeed --module` (ZeRO-2) and `torch.distributed.launch -m` (sharded DDP); the flag
+    after the file overrides it although the launcher puts --local_rank among the arguments."""
     if launcher == "deepspeed":
-        path = small_experiment(tmp_path, deepspeed="zero2_minimal")
+        path = small_experiment(tmp_path, max_steps=6, deepspeed="zero2_minimal")
         cmd = [BIN / "deepspeed", "--num_gpus", 2, "--master_port", free_port(), "--module", "trainer_ext"]
     else:
-        path = small_experiment(tmp_path, sharded_ddp="simple")
+        path = small_experiment(tmp_path, max_steps=6, sharded_ddp="simple")
         cmd = [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", 2, "--master_port", free_port(),
                "-m", "trainer_ext"]
-    out = run([*cmd, "train", path], env={"HF_HUB_OFFLINE": "1"}, timeout=900)
+    out = run([*cmd, "train", path, "--max_steps", 3], env={"HF_HUB_OFFLINE": "1"}, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-4000:]
     state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
@@ -209,24 +227,55 @@ def test_an_experiment_trains_on_two_ranks(tmp_path, launcher):
 
 
 def test_a_broken_experiment_exits_2_and_trains_nothing(tmp_path):
-    """Bad keys and values: exit 2 with one line each and no traceback, before anything is built."""
+    """Bad keys, values and flags: exit 2 with one line each and no traceback, before anything is built."""
     values = shipped("classification")
     values.pop("deepspeed")
     values["hyperparameters"].update(output_dir=str(tmp_path / "out"), per_device_train_bach_size=8, max_steps="six")
     values["hyperparameters"]["optimizer"]["lr"] = "fast"
     path = tmp_path / "broken.yaml"
     path.write_text(yaml.safe_dump(values))
-    out = run([TRAINER_EXT, "train", path])
+    out = run([TRAINER_EXT, "train", path, "--warmup_steps", "abc", "--num_train_epoch", "1"])
     assert out.returncode == 2 and "Traceback" not in out.stderr
     lines = out.stderr.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("trainer-ext train: error: "))
-    assert lines[start:start + 4] == [
+    assert lines[start:start + 6] == [
         f"trainer-ext train: error: {path}: hyperparameters: unknown key 'per_device_train_bach_size' (did you mean "
         "'per_device_train_batch_size'?)",
         f"{path}: hyperparameters: max_steps: expected an integer, got 'six'",
         f"{path}: hyperparameters.optimizer: lr: expected a number, got 'fast'",
+        "unrecognized argument --num_train_epoch (did you mean --num_train_epochs?)",
+        "--warmup_steps: expected a number, got 'abc'",
         "nothing was trained"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_copied_experiment_trains_from_another_folder_with_flags(tmp_path):
+    """Paths in the file follow the file, flags override it and their paths follow the current directory."""
+    import torch
+
+    values = shipped("classification")
+    values.pop("deepspeed")
+    values["hyperparameters"].update(output_dir="../output", max_steps=50, logging_steps=1, eval_strategy="no",
+                                     save_strategy="no")
+    values["data"].update(max_train_samples=64, max_eval_samples=32, max_seq_length=32)
+    project = copied_experiment(tmp_path, values, "small").parent.parent
+    cwd = tmp_path / "run"
+    cwd.mkdir()
+    command = [TRAINER_EXT, "train", "../project/experiments/small.yaml", "--max_steps", "2", "--learning_rate", "1e-4",
+               "--output_dir", "out"]
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")}
+
+    check = run([*command, "--check"], cwd=cwd, env=env)
+    assert check.returncode == 0, check.stderr[-3000:]
+    resolved = yaml.safe_load(check.stdout)
+    assert resolved["data"]["train_file"] == str(project / "data" / "classification" / "train.jsonl")
+    assert [resolved["training"][key] for key in ("max_steps", "learning_rate", "output_dir")] == [2, 1e-4, "out"]
+
+    out = run(command, cwd=cwd, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert json.loads((cwd / "out" / "trainer_state.json").read_text())["global_step"] == 2
+    assert torch.load(cwd / "out" / "training_args.bin", weights_only=False).learning_rate == 1e-4
+    assert not (project / "output").exists()  # the file's output_dir, overridden
 
 
 def test_data_from_a_local_dataset_folder(tmp_path):

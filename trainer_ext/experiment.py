@@ -3,11 +3,12 @@ task's recipe and ExtTrainer — `trainer-ext train experiment.yaml` or `run_exp
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from importlib import import_module
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from .field_values import WrongType, closest, field_types, read_as
 from .options import ArgumentsError
@@ -46,7 +47,7 @@ class ExperimentError(ArgumentsError):
 
 @dataclasses.dataclass
 class Experiment:
-    """A validated experiment: the task recipe, its three argument objects, and the fields the file set."""
+    """A validated experiment: the task recipe, its three argument objects, and the fields the file and flags set."""
 
     task: str
     model_args: Any
@@ -56,6 +57,13 @@ class Experiment:
 
     def run(self) -> dict:
         return import_module(TASKS[self.task]).run(self.model_args, self.data_args, self.training_args)
+
+    def resolved(self) -> dict:
+        """What would run (`--check`): every model and data field, each training field the file or flags set."""
+        training = {key: self.given[key] if key == "deepspeed" else getattr(self.training_args, key)
+                    for key in self.given if key in _field_names(type(self.training_args))}
+        return {"task": self.task, "model": dataclasses.asdict(self.model_args),
+                "data": dataclasses.asdict(self.data_args), "training": training}
 
 
 def read(source, folder=None) -> tuple[dict, str, Path | None]:
@@ -76,9 +84,10 @@ def read(source, folder=None) -> tuple[dict, str, Path | None]:
     return values, str(path), Path(os.path.abspath(path)).parent
 
 
-def load_experiment(source, folder=None) -> Experiment:
-    """Validate everything (keys, value types, data files, backend config) before anything is built or trained.
-    Relative paths in a file are relative to its folder (in a mapping: to `folder`, default the current directory)."""
+def load_experiment(source, argv: Sequence[str] = (), folder=None) -> Experiment:
+    """Validate everything (keys, value types, data files, backend config, command-line flags `argv` that override
+    the file's values) before anything is built or trained. Relative paths in a file are relative to its folder (in
+    a mapping: to `folder`, default the current directory); in `argv`, to the current directory."""
     values, name, folder = read(source, folder)
     problems: list[str] = []
     _check_keys(values, SECTIONS, name, problems)
@@ -91,6 +100,11 @@ def load_experiment(source, folder=None) -> Experiment:
     types.update((key, (hint, None)) for key, hint in TYPES.items())
 
     given = _with_paths(_file_values(values, name, classes, types, problems), folder)  # field -> typed value
+    flags = _flags(classes, argv, problems)
+    if BACKENDS & flags.keys():  # a backend flag replaces the file's backend
+        given = {key: value for key, value in given.items() if key not in BACKENDS}
+    for key, value in flags.items():
+        _put(given, key, value, types[key], f"--{key}", problems)
     if problems:
         raise ExperimentError("\n".join(problems))
     arguments = [_build(cls, {key: value for key, value in given.items() if key in _field_names(cls)},
@@ -108,9 +122,9 @@ def argument_classes(task: str) -> tuple:
     return recipe.ModelArguments, recipe.DataArguments, getattr(import_module(module), name)
 
 
-def run_experiment(source) -> dict:
+def run_experiment(source, argv: Sequence[str] = ()) -> dict:
     """Validate, then train and evaluate; returns the task's metrics."""
-    return load_experiment(source).run()
+    return load_experiment(source, argv).run()
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -202,6 +216,19 @@ def _is_path(key: str, value: str) -> bool:
     if key not in PATH_FIELDS + NAME_OR_PATH_FIELDS or not value or value.lstrip().startswith("{") or "://" in value:
         return False
     return not (key == "resume_from_checkpoint" and value in ("auto", "true", "True"))
+
+
+def _flags(classes, argv: Sequence[str], problems: list[str]) -> dict:
+    """Command-line flags -> {field: value as given}; typed with the file's values, so every problem shows at once."""
+    if not argv:
+        return {}
+    from .args import ExtArgumentParser
+
+    parser = ExtArgumentParser(classes, prog="trainer-ext train")
+    for action in parser._actions:  # keep the words as given and only the flags given
+        action.type, action.choices, action.default, action.required = None, None, argparse.SUPPRESS, False
+    problems += parser.unrecognized(argv)
+    return vars(parser.parse_known_args(list(argv))[0])
 
 
 def _build(cls, values: dict, where: str, problems: list[str]):
