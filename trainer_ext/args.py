@@ -228,16 +228,20 @@ class ExtArgumentParser(HfArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help for all flags)\n")
 
     def check_unknown(self, argv) -> None:
+        messages = self.unrecognized(argv)
+        if messages:
+            self.error("; ".join(messages))
+
+    def unrecognized(self, argv) -> list[str]:
+        """One message per word of argv this parser does not take, with the closest valid flag."""
         _, unknown = self.parse_known_args(argv)
         flags = [word.split("=")[0] for word in unknown if word.startswith("-")]
-        if not flags and not unknown:
-            return
         valid = [option for action in self._actions for option in action.option_strings]
         messages = []
         for word in flags or unknown:
             hint = difflib.get_close_matches(word, valid, n=1, cutoff=0.6)
             messages.append(f"unrecognized argument {word}" + (f" (did you mean {hint[0]}?)" if hint else ""))
-        self.error("; ".join(messages))
+        return messages
 
     def flags_named(self, argv) -> frozenset[str]:
         """The fields argv names in any spelling the parser accepts (--flag value, --flag=value, --flag-name,

@@ -12,7 +12,7 @@ commands:
               trainer-ext ds-config --deepspeed FILE|PRESET [flags] [--world_size N]
                                     [--num_training_steps N] [--hidden_size N] [--use_cpu] [--explain]
   train       validate an experiment file, then train it (task, hyperparameters, data, backend)
-              trainer-ext train experiment.yaml [--check]
+              trainer-ext train experiment.yaml [--check] [--FIELD VALUE ...]   (flags override the file)
               on N ranks: torchrun --nproc_per_node N -m trainer_ext train experiment.yaml
                           deepspeed --num_gpus N --module trainer_ext train experiment.yaml
   plan        predict per-rank memory of every backend and name the cheapest that fits a device
@@ -59,19 +59,25 @@ def train(argv: list[str]) -> int:
     from .experiment import ExperimentError, load_experiment
 
     parser = argparse.ArgumentParser(prog="trainer-ext train", allow_abbrev=False,
-                                     description="Validate an experiment file, then train it.")
+                                     description="Validate an experiment file, then train it.",
+                                     epilog="Relative paths in the file are relative to its folder. Any other flag "
+                                            "of the task's model, data or training arguments (those of its script in "
+                                            "examples/) overrides the file's value, e.g. --max_steps 5 --learning_rate "
+                                            "1e-4; paths given as flags are relative to the current directory.")
     parser.add_argument("experiment", help="YAML file with task, hyperparameters, data and a backend")
-    parser.add_argument("--check", action="store_true", help="validate only: print the resolved arguments")
-    args = parser.parse_args(argv)
+    parser.add_argument("--check", action="store_true", help="validate only: print the resolved values")
+    args, flags = parser.parse_known_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     try:
-        experiment = load_experiment(args.experiment)
+        experiment = load_experiment(args.experiment, flags)
     except ExperimentError as err:
         print(f"trainer-ext train: error: {err}\nnothing was trained", file=sys.stderr)
         return 2
     if args.check:
-        print(f"task: {experiment.task}\nmodel: {experiment.model_args}\ndata: {experiment.data_args}")
-        print(f"training: output_dir={experiment.training_args.output_dir}")
+        import yaml
+
+        # through JSON: enums (lr_scheduler_type) and paths become the strings a YAML file holds
+        print(yaml.safe_dump(json.loads(json.dumps(experiment.resolved(), default=str)), sort_keys=False), end="")
         return 0
     metrics = experiment.run()
     if experiment.training_args.process_index == 0:

@@ -3,13 +3,16 @@ task's recipe and ExtTrainer — `trainer-ext train experiment.yaml` or `run_exp
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import difflib
+import os
 from importlib import import_module
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Sequence
 
+from .field_values import WrongType, closest, field_types, read_as
 from .options import ArgumentsError
+from .settings import OptimizerSettings, SchedulerSettings
 
 TASKS = {
     "classification": "trainer_ext.tasks.classification",
@@ -19,10 +22,23 @@ TASKS = {
 # Tasks whose recipe needs more than ExtTrainingArguments (generation settings).
 TRAINING_ARGUMENTS = {"translation": ("trainer_ext.seq2seq", "ExtSeq2SeqTrainingArguments")}
 SECTIONS = ("task", "description", "hyperparameters", "data", "deepspeed", "sharded_ddp")
+BACKENDS = {"deepspeed", "sharded_ddp"}
 MODEL_KWARGS = {"config": "config_kwargs", "tokenizer": "tokenizer_kwargs", "model": "model_kwargs"}
 # optimizer / scheduler sections -> the TrainingArguments fields ExtTrainer builds them from
-OPTIMIZER_FIELDS = {"lr": "learning_rate", "eps": "adam_epsilon", "weight_decay": "weight_decay"}
+OPTIMIZER_FIELDS = {"lr": "learning_rate", "betas": ("adam_beta1", "adam_beta2"), "eps": "adam_epsilon",
+                    "weight_decay": "weight_decay"}
 SCHEDULER_FIELDS = {"type": "lr_scheduler_type", "warmup_steps": "warmup_steps", "kwargs": "lr_scheduler_kwargs"}
+# Fields typed str for the command line (JSON, comma lists) that also take YAML's structured values.
+TYPES = {"config_kwargs": dict | str | None, "tokenizer_kwargs": dict | str | None, "model_kwargs": dict | str | None,
+         "checkpoint_storage_options": dict | str | None, "class_weights": list[float] | str | None,
+         "resume_from_checkpoint": str | Literal[True] | None}
+# Fields that hold a path: a relative one is relative to the experiment file's folder (cache_dir: in the
+# config/tokenizer/model keyword arguments; logging_dir: transformers 4).
+PATH_FIELDS = ("train_file", "validation_file", "test_file", "output_dir", "logging_dir", "resume_from_checkpoint",
+               "checkpoint_uri", "fsdp_config", "accelerator_config", "cache_dir")
+# Fields that hold a name (Hub model or dataset, DeepSpeed preset) or a path: the path beside the file when there is
+# one there (or the value starts with ./ or ../), else the name as written.
+NAME_OR_PATH_FIELDS = ("model_name_or_path", "tokenizer_name", "dataset_name", "deepspeed", "generation_config")
 
 
 class ExperimentError(ArgumentsError):
@@ -31,21 +47,29 @@ class ExperimentError(ArgumentsError):
 
 @dataclasses.dataclass
 class Experiment:
-    """A validated experiment: the task recipe and its three argument objects."""
+    """A validated experiment: the task recipe, its three argument objects, and the fields the file and flags set."""
 
     task: str
     model_args: Any
     data_args: Any
     training_args: Any
+    given: dict = dataclasses.field(default_factory=dict)
 
     def run(self) -> dict:
         return import_module(TASKS[self.task]).run(self.model_args, self.data_args, self.training_args)
 
+    def resolved(self) -> dict:
+        """What would run (`--check`): every model and data field, each training field the file or flags set."""
+        training = {key: self.given[key] if key == "deepspeed" else getattr(self.training_args, key)
+                    for key in self.given if key in _field_names(type(self.training_args))}
+        return {"task": self.task, "model": dataclasses.asdict(self.model_args),
+                "data": dataclasses.asdict(self.data_args), "training": training}
 
-def read(source) -> tuple[dict, str]:
-    """A path to a YAML file, or a mapping (from Python) -> (mapping, name used in messages)."""
+
+def read(source, folder=None) -> tuple[dict, str, Path | None]:
+    """A path to a YAML file, or a mapping (from Python) -> (mapping, name used in messages, folder of its paths)."""
     if isinstance(source, dict):
-        return source, "experiment"
+        return source, "experiment", None if folder is None else Path(os.path.abspath(folder))
     path = Path(source)
     if not path.is_file():
         raise ExperimentError(f"{path}: no such experiment file")
@@ -57,55 +81,50 @@ def read(source) -> tuple[dict, str]:
         raise ExperimentError(f"{path}: not valid YAML ({err})") from None
     if not isinstance(values, dict):
         raise ExperimentError(f"{path}: expected a mapping with sections {', '.join(SECTIONS)}")
-    return values, str(path)
+    return values, str(path), Path(os.path.abspath(path)).parent
 
 
-def load_experiment(source) -> Experiment:
-    """Validate everything (keys, values, data files, backend config) before anything is built or trained."""
-    values, name = read(source)
+def load_experiment(source, argv: Sequence[str] = (), folder=None) -> Experiment:
+    """Validate everything (keys, value types, data files, backend config, command-line flags `argv` that override
+    the file's values) before anything is built or trained. Relative paths in a file are relative to its folder (in
+    a mapping: to `folder`, default the current directory); in `argv`, to the current directory."""
+    values, name, folder = read(source, folder)
     problems: list[str] = []
     _check_keys(values, SECTIONS, name, problems)
     task = values.get("task")
-    if task not in TASKS:
-        hint = _closest(str(task), TASKS)
-        problems.append(f"{name}: task: {task!r} is not one of {', '.join(TASKS)}" + hint)
+    if not isinstance(task, str) or task not in TASKS:
+        problems.append(f"{name}: task: {task!r} is not one of {', '.join(TASKS)}" + closest(task, TASKS))
         raise ExperimentError("\n".join(problems))
+    classes = argument_classes(task)
+    types = {key: hint for cls in classes for key, hint in field_types(cls).items()}
+    types.update((key, (hint, None)) for key, hint in TYPES.items())
+
+    given = _with_paths(_file_values(values, name, classes, types, problems), folder)  # field -> typed value
+    flags = _flags(classes, argv, problems)
+    if BACKENDS & flags.keys():  # a backend flag replaces the file's backend
+        given = {key: value for key, value in given.items() if key not in BACKENDS}
+    for key, value in flags.items():
+        _put(given, key, value, types[key], f"--{key}", problems)
+    if problems:
+        raise ExperimentError("\n".join(problems))
+    arguments = [_build(cls, {key: value for key, value in given.items() if key in _field_names(cls)},
+                        f"{name}: {section}", problems)
+                 for cls, section in zip(classes, ("hyperparameters", "data", "hyperparameters"))]
+    if problems:
+        raise ExperimentError("\n".join(problems))
+    return Experiment(task, *arguments, given=given)
+
+
+def argument_classes(task: str) -> tuple:
+    """The task's ModelArguments, DataArguments and training arguments dataclasses."""
     recipe = import_module(TASKS[task])
-    module, name_in_module = TRAINING_ARGUMENTS.get(task, ("trainer_ext.args", "ExtTrainingArguments"))
-    training_class = getattr(import_module(module), name_in_module)
-
-    hyper = dict(values.get("hyperparameters") or {})
-    data = dict(values.get("data") or {})
-    model_fields = _field_names(recipe.ModelArguments)
-    training_fields = _field_names(training_class)
-    _check_keys(hyper, sorted({*MODEL_KWARGS, "optimizer", "scheduler", *model_fields, *training_fields}),
-                f"{name}: hyperparameters", problems)
-    _check_keys(data, sorted(_field_names(recipe.DataArguments)), f"{name}: data", problems)
-
-    model_values = {key: hyper.pop(key) for key in list(hyper) if key in model_fields}
-    for section, field in MODEL_KWARGS.items():
-        if section in hyper:
-            model_values[field] = _mapping(hyper.pop(section), f"{name}: hyperparameters.{section}", problems)
-    training_values = {key: value for key, value in hyper.items() if key in training_fields}
-    training_values.update(_optimizer(hyper.get("optimizer"), f"{name}: hyperparameters.optimizer", problems))
-    training_values.update(_scheduler(hyper.get("scheduler"), f"{name}: hyperparameters.scheduler", problems))
-    for backend in ("deepspeed", "sharded_ddp"):
-        if values.get(backend) is not None:
-            training_values[backend] = _backend_value(backend, values[backend], name)
-    if problems:
-        raise ExperimentError("\n".join(problems))
-
-    model_args = _build(recipe.ModelArguments, model_values, f"{name}: hyperparameters", problems)
-    data_args = _build(recipe.DataArguments, data, f"{name}: data", problems)
-    training_args = _build(training_class, training_values, f"{name}: hyperparameters", problems)
-    if problems:
-        raise ExperimentError("\n".join(problems))
-    return Experiment(task, model_args, data_args, training_args)
+    module, name = TRAINING_ARGUMENTS.get(task, ("trainer_ext.args", "ExtTrainingArguments"))
+    return recipe.ModelArguments, recipe.DataArguments, getattr(import_module(module), name)
 
 
-def run_experiment(source) -> dict:
+def run_experiment(source, argv: Sequence[str] = ()) -> dict:
     """Validate, then train and evaluate; returns the task's metrics."""
-    return load_experiment(source).run()
+    return load_experiment(source, argv).run()
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -113,60 +132,103 @@ def _field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.init}
 
 
-def _closest(word: str, valid) -> str:
-    match = difflib.get_close_matches(word, list(valid), n=1, cutoff=0.6)
-    return f" (did you mean {match[0]!r}?)" if match else ""
-
-
 def _check_keys(values: dict, valid, where: str, problems: list[str]) -> None:
     for key in values:
         if key not in valid:
-            problems.append(f"{where}: unknown key {key!r}" + _closest(str(key), valid))
+            problems.append(f"{where}: unknown key {key!r}" + closest(key, valid))
+
+
+def _file_values(values: dict, name: str, classes, types: dict, problems: list[str]) -> dict:
+    """The file's sections -> {field of the model/data/training arguments: value read as the field's type}."""
+    model_fields, data_fields, training_fields = (_field_names(cls) for cls in classes)
+    where = f"{name}: hyperparameters"
+    hyper = dict(_mapping(values.get("hyperparameters") or {}, where, problems))
+    data = dict(_mapping(values.get("data") or {}, f"{name}: data", problems))
+    _check_keys(hyper, sorted({*MODEL_KWARGS, "optimizer", "scheduler", *model_fields, *training_fields}), where,
+                problems)
+    _check_keys(data, sorted(data_fields), f"{name}: data", problems)
+    given: dict[str, Any] = {}
+    for key, value in hyper.items():
+        if key in model_fields | training_fields:
+            _put(given, key, value, types[key], f"{where}: {key}", problems)
+        elif key in MODEL_KWARGS:
+            given[MODEL_KWARGS[key]] = _mapping(value, f"{where}.{key}", problems)
+    _section(hyper.get("optimizer"), OptimizerSettings, OPTIMIZER_FIELDS, f"{where}.optimizer", types, given, problems)
+    _section(hyper.get("scheduler"), SchedulerSettings, SCHEDULER_FIELDS, f"{where}.scheduler", types, given, problems)
+    for key, value in data.items():
+        if key in data_fields:
+            _put(given, key, value, types[key], f"{name}: data: {key}", problems)
+    for backend in sorted(BACKENDS):
+        if values.get(backend) is not None:
+            _put(given, backend, values[backend], types[backend], f"{name}: {backend}", problems)
+    return given
 
 
 def _mapping(value, where: str, problems: list[str]) -> dict:
     if not isinstance(value, dict):
-        problems.append(f"{where}: expected a mapping of keyword arguments, got {value!r}")
+        problems.append(f"{where}: expected a mapping, got {value!r}")
         return {}
     return value
 
 
-def _settings_section(section, settings, fields: dict, where: str, problems: list[str]) -> dict:
-    """A settings section (keys of the `settings` dataclass) -> the TrainingArguments fields it stands for."""
+def _put(given: dict, field: str, value, type_and_choices, where: str, problems: list[str]) -> None:
+    try:
+        given[field] = read_as(value, *type_and_choices)
+    except WrongType as err:
+        problems.append(f"{where}: {err}")
+
+
+def _section(section, settings, fields: dict, where: str, types: dict, given: dict, problems: list[str]) -> None:
+    """An optimizer/scheduler section (keys of the `settings` dataclass) -> the training fields it stands for."""
     if section is None:
-        return {}
+        return
     section = _mapping(section, where, problems)
     _check_keys(section, [f.name for f in dataclasses.fields(settings)], where, problems)
-    return {fields[key]: value for key, value in section.items() if key in fields}
+    for key, value in section.items():
+        target = fields.get(key)
+        if isinstance(target, tuple):  # betas -> adam_beta1, adam_beta2
+            parts: dict = {}
+            _put(parts, key, value, (tuple[tuple(types[field][0] for field in target)], None), f"{where}: {key}",
+                 problems)
+            given.update(zip(target, parts.get(key, ())))
+        elif target:
+            _put(given, target, value, types[target], f"{where}: {key}", problems)
 
 
-def _optimizer(section, where: str, problems: list[str]) -> dict:
-    from .settings import OptimizerSettings
-
-    values = _settings_section(section, OptimizerSettings, OPTIMIZER_FIELDS, where, problems)
-    betas = (section or {}).get("betas") if isinstance(section, dict) else None
-    if betas is not None:
-        if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
-            problems.append(f"{where}: betas: expected two numbers, e.g. [0.9, 0.999], got {betas!r}")
-        else:
-            values["adam_beta1"], values["adam_beta2"] = (float(b) for b in betas)
-    return values
-
-
-def _scheduler(section, where: str, problems: list[str]) -> dict:
-    from .settings import SchedulerSettings
-
-    return _settings_section(section, SchedulerSettings, SCHEDULER_FIELDS, where, problems)
+def _with_paths(values: dict, folder: Path | None) -> dict:
+    """Relative paths made relative to `folder` (the experiment file's): see PATH_FIELDS and NAME_OR_PATH_FIELDS."""
+    if folder is None:
+        return values
+    resolved = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and key in MODEL_KWARGS.values():
+            value = _with_paths(value, folder)
+        elif isinstance(value, str) and _is_path(key, value):
+            beside = os.path.normpath(folder / os.path.expanduser(value))
+            if key in PATH_FIELDS or os.path.exists(beside) or value.startswith(("./", "../")):
+                value = beside
+        resolved[key] = value
+    return resolved
 
 
-def _backend_value(backend: str, value, name: str):
-    if backend == "sharded_ddp":
-        return value.split() if isinstance(value, str) else list(value)
-    if isinstance(value, str) and not Path(value).is_file() and name != "experiment":
-        beside = Path(name).parent / value  # a config next to the experiment file
-        if beside.is_file():
-            return str(beside)
-    return value
+def _is_path(key: str, value: str) -> bool:
+    """Not inline JSON, an fsspec URL, or resume_from_checkpoint's `auto`."""
+    if key not in PATH_FIELDS + NAME_OR_PATH_FIELDS or not value or value.lstrip().startswith("{") or "://" in value:
+        return False
+    return not (key == "resume_from_checkpoint" and value in ("auto", "true", "True"))
+
+
+def _flags(classes, argv: Sequence[str], problems: list[str]) -> dict:
+    """Command-line flags -> {field: value as given}; typed with the file's values, so every problem shows at once."""
+    if not argv:
+        return {}
+    from .args import ExtArgumentParser
+
+    parser = ExtArgumentParser(classes, prog="trainer-ext train")
+    for action in parser._actions:  # keep the words as given and only the flags given
+        action.type, action.choices, action.default, action.required = None, None, argparse.SUPPRESS, False
+    problems += parser.unrecognized(argv)
+    return vars(parser.parse_known_args(list(argv))[0])
 
 
 def _build(cls, values: dict, where: str, problems: list[str]):
