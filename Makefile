@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainer_ext-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo clean
+.PHONY: setup test demo clean gpu-setup gpu-test gpu-bench gpu-check
 
 setup: $(STAMP)
 
@@ -28,6 +28,28 @@ demo: setup
 		--output_dir $(DEMO_OUT) --do_train --do_eval --evaluate_before_training --num_train_epochs 2 \
 		--per_device_train_batch_size 16 --learning_rate 5e-5 --warmup_ratio 0.1 --max_seq_length 64 \
 		--logging_steps 10 --save_strategy no --report_to none
+
+# On a machine with a CUDA GPU: its own python with a CUDA build of torch (never .venv, which holds the CPU wheel).
+# deepspeed, fairscale and datasets come from .whl/ when it exists (bash ../shared/gpu/bundle.sh builds it; a machine
+# without internet), else from pip. `gpu-test` runs every CUDA-only test (~8 min on one H100), `gpu-bench`
+# benchmarks/gpu.py (under 10 min, writes benchmarks/results/gpu.md); `gpu-check` runs both.
+GPU_PY ?= python3
+GPU_SITE ?= /tmp/trainer_ext-gpu-site
+GPU_ENV = PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PATH=$(GPU_SITE)/bin:$$PATH PYTHONUNBUFFERED=1
+
+gpu-setup:
+	@$(GPU_PY) scripts/gpu_preflight.py || exit 2
+	@if $(GPU_ENV) $(GPU_PY) -c "import deepspeed, fairscale, datasets" 2>/dev/null; then echo "deepspeed, fairscale, datasets: installed"; \
+	elif [ -d .whl ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; \
+	else $(GPU_PY) -m pip install -q "deepspeed>=0.19,<0.20" "fairscale==0.4.13" "datasets>=3.0"; fi
+
+gpu-test: gpu-setup
+	$(GPU_ENV) $(GPU_PY) -m pytest tests -m cuda -ra $(PYTEST_ARGS)
+
+gpu-bench: gpu-setup
+	$(GPU_ENV) $(GPU_PY) benchmarks/gpu.py $(BENCH_ARGS)
+
+gpu-check: gpu-test gpu-bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -143,6 +143,14 @@ GLUE_COMMON = ["--max_seq_length", "32", "--logging_steps", "1", "--dropout", "0
                "--report_to", "none", "--disable_tqdm", "true", "--seed", "7"]
 
 
+def launcher(name):
+    """This environment's `torchrun` / `deepspeed` script, or its module where packages were installed elsewhere
+    (a GPU machine given wheels with pip --target has no script beside its python)."""
+    if (BIN / name).exists():
+        return [BIN / name]
+    return [PYTHON, "-m", {"torchrun": "torch.distributed.run", "deepspeed": "deepspeed.launcher.runner"}[name]]
+
+
 def launch(kind, output_dir, *flags, ranks=2, timeout=900, env=None, script=GLUE):
     """Run examples/run_glue.py (or `script`, e.g. TINY_TRAIN) single-process or under a real launcher; fail with the
     log on error."""
@@ -150,11 +158,11 @@ def launch(kind, output_dir, *flags, ranks=2, timeout=900, env=None, script=GLUE
     if kind == "single":
         cmd = [PYTHON, script]
     elif kind == "torchrun":
-        cmd = [BIN / "torchrun", "--nproc_per_node", ranks, "--master_port", free_port(), script]
+        cmd = [*launcher("torchrun"), "--nproc_per_node", ranks, "--master_port", free_port(), script]
     elif kind == "launch":
         cmd = [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", ranks, "--master_port", free_port(), script]
     elif kind == "deepspeed":
-        cmd = [BIN / "deepspeed", "--num_gpus", ranks, "--master_port", free_port(), script]
+        cmd = [*launcher("deepspeed"), "--num_gpus", ranks, "--master_port", free_port(), script]
     else:
         raise ValueError(kind)
     common = GLUE_COMMON if script == GLUE else TINY_COMMON

@@ -2,10 +2,11 @@
 
 import importlib.util
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO
+from conftest import PYTHON, REPO, run
 
 spec = importlib.util.spec_from_file_location("backends", REPO / "benchmarks" / "backends.py")
 backends = sys.modules["backends"] = importlib.util.module_from_spec(spec)  # dataclasses look the module up
@@ -47,3 +48,56 @@ def test_cuda_report_has_tokens_mfu_and_peak_memory(tmp_path):
     text = (tmp_path / "backends.md").read_text()
     assert "tokens/s | MFU |" in text and "peak CUDA |" in text and f"{row['mfu']:.1%}" in text
     assert (tmp_path / "backends.png").stat().st_size > 10_000
+
+
+gpu_spec = importlib.util.spec_from_file_location("gpu", REPO / "benchmarks" / "gpu.py")
+gpu = sys.modules["gpu"] = importlib.util.module_from_spec(gpu_spec)
+gpu_spec.loader.exec_module(gpu)
+
+
+def test_gpu_rows_have_mfu_from_the_model_shape_and_ratios_to_plain(tmp_path):
+    """BERT-large on an H100: MFU from 24 layers x 1024 hidden x 384 tokens, ratios within the same precision."""
+    args = SimpleNamespace(model_config="bert-large-qa", seq_length=384, batch_size=32,
+                           warmup=3)
+    plain = gpu.Config(gpu.BASELINE, "ext", "torchrun")
+    zero2 = gpu.CONFIGS[1]
+    psi = 334_094_338
+    runs = {plain: [0.1] * 10, zero2: [0.2] * 10}
+    rows = []
+    for config, seconds in runs.items():
+        reports = [dict(report(0, seconds), num_parameters=psi)]
+        rows.append(gpu.summarise(config, "bf16", 1, {"reports": reports, "wall_seconds": 30.0}, args,
+                                  "NVIDIA H100 80GB HBM3"))
+    assert rows[0]["samples_per_second"] == pytest.approx(320.0)
+    assert rows[0]["mfu"] == pytest.approx((6 * psi + 12 * 24 * 1024 * 384) * 320.0 * 384 / 989e12)
+    meta = {"model_config": "bert-large-qa", "device": "1 × NVIDIA H100 80GB HBM3", "steps": 10, "warmup": 3,
+            "seq_length": 384, "batch_size": 32, "started": "today", "minutes": 4.0, "prebuild": "DeepSpeed ops built",
+            "results": str(tmp_path / "gpu.md"), "torch": "2.11", "transformers": "5.23", "deepspeed": "0.19.8",
+            "fairscale": "0.4.13", "num_parameters_text": "BERT bert-large-qa (334.1M parameters)"}
+    rows.append({"name": "zero_dp_2, ExtTrainer", "precision": "bf16", "ranks": 1, "status": "failed: TypeError x"})
+    gpu.write_results(tmp_path / "gpu.md", rows, meta)
+    text = (tmp_path / "gpu.md").read_text()
+    assert "| ZeRO-2, ExtTrainer (zero2_minimal: our defaults) | bf16 | 160.0 | 61440 | 0.50 |" in text
+    assert "| zero_dp_2, ExtTrainer | bf16 | failed: TypeError x |" in text
+    assert (tmp_path / "gpu.png").stat().st_size > 10_000
+
+
+def test_gpu_benchmark_keeps_its_time_budget(tmp_path):
+    """A row that would end after --budget_minutes is listed as not run: `make gpu-check` ends in time on any GPU."""
+    assert gpu.main(["--allow_cpu", "--budget_minutes", "0", "--only", "plain", "simple", "--results",
+                     str(tmp_path / "gpu.md")]) == 0
+    text = (tmp_path / "gpu.md").read_text()
+    assert text.count("not run: --budget_minutes 0 reached") == 7  # 3 plain rows in bf16, 2 in fp16, simple in both
+
+
+def test_gpu_benchmark_runs_and_reports_a_failing_row(tmp_path):
+    """The script itself, end to end on CPU ranks with a tiny model: rows that train are measured, a row that cannot
+    run here (FSDP needs CUDA) is reported with the rank's own error line, and the tables and figure are written."""
+    out = run([PYTHON, REPO / "benchmarks" / "gpu.py", "--allow_cpu", "--model_config", "tiny-qa", "--seq_length", 32,
+               "--batch_size", 4, "--steps", 5, "--warmup", 2, "--ranks", 1, "--precision", "bf16", "--only",
+               "plain, ExtTrainer", "simple", "zero_dp_2,", "--results", tmp_path / "gpu.md"], timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = (tmp_path / "gpu.md").read_text()
+    assert "| plain, ExtTrainer | bf16 |" in text and "| simple, ExtTrainer | bf16 |" in text
+    assert "| zero_dp_2, ExtTrainer | bf16 | failed: train.py: error: --sharded_ddp zero_dp_2: FairScale's" in text
+    assert (tmp_path / "gpu.png").is_file()

@@ -1,6 +1,6 @@
 """--sharded_ddp (FairScale) on real launchers: `simple` trains exactly like one process and DDP, its
 checkpoints hold one ordinary optimizer state that resumes on any number of ranks, and its memory saving
-is measured; the CUDA-only options fail early without CUDA and run where there is one."""
+is measured; the CUDA-only options fail early without CUDA (tests/test_cuda.py runs them where there is one)."""
 
 import json
 import shutil
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import (ACCUMULATE, PLAIN, PYTHON, REPO, STEPS, TINY_TRAIN, assert_same_training, free_port, launch,
-                      logged, max_weight_difference, requires_cuda, run)
+                      logged, max_weight_difference, run)
 from trainer_ext.options import ArgumentsError, check_sharded_ddp_machine
 
 SCRIPT = REPO / "tests" / "scripts" / "parse_args.py"
@@ -128,25 +128,3 @@ def test_offload_requires_mixed_precision():
     with pytest.raises(ArgumentsError, match="offload.*mixed precision.*--fp16 or --bf16"):
         check_sharded_ddp_machine(["zero_dp_2", "offload"], cuda_available=True, mixed_precision=False)
     check_sharded_ddp_machine(["zero_dp_2", "offload"], cuda_available=True, mixed_precision=True)
-
-
-# -- CUDA paths (run where a GPU is present; skipped on CPU machines) ------------------------------------------
-
-def cuda_ranks():
-    return max(1, min(2, torch.cuda.device_count()))
-
-
-@requires_cuda
-@pytest.mark.parametrize("options,precision", [("zero_dp_2", []), ("zero_dp_3", []),
-                                               ("zero_dp_2 offload", ["--fp16"]), ("simple", ["--fp16"])])
-def test_cuda_sharded_options_train_like_ddp(tmp_path, options, precision):
-    """FSDP (reshard or not, offloaded) and simple+fp16 (ShardedGradScaler) follow the DDP run."""
-    ranks = cuda_ranks()
-    flags = ["--do_train", "--max_steps", 8, "--per_device_train_batch_size", 16 // ranks, *precision]
-    launch("torchrun", tmp_path / "ddp", *flags, "--save_strategy", "no", ranks=ranks)
-    launch("torchrun", tmp_path / "sharded", *flags, "--sharded_ddp", options, "--save_strategy", "steps",
-           "--save_steps", 4, ranks=ranks)
-    ours, theirs = logged(tmp_path / "ddp"), logged(tmp_path / "sharded")
-    tolerance = 5e-3 if precision else 1e-4
-    assert max(abs(ours[s] - theirs[s]) for s in ours) < tolerance
-    assert (tmp_path / "sharded" / "model.safetensors").is_file()

@@ -1,0 +1,108 @@
+"""The CUDA paths, run by `make gpu-test` (part of `make gpu-check`) where a GPU is present and skipped cleanly
+elsewhere: every --sharded_ddp mode and DeepSpeed ZeRO-2 train under fp16 and bf16 like the plain run in the same
+precision, on one GPU or two. Models come from configs (tests/scripts/tiny_train.py): a GPU machine needs only the
+repository. Tolerances, against plain ExtTrainer (accelerate's autocast) in the same precision, per-step loss:
+`simple` runs the same autocast, 2e-3; FSDP and DeepSpeed hold the weights themselves in half precision,
+bf16 3e-2 and fp16 1e-2. Gradient norms within a factor 1.5: an fp16 loss scale left in the gradients (2^16) or a
+norm over one shard only would be far outside."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import TINY_TRAIN, launch, logged, requires_cuda
+
+RANKS = max(1, min(2, torch.cuda.device_count())) if torch.cuda.is_available() else 1
+COMMON = ["--max_steps", 8, "--per_device_train_batch_size", 16 // RANKS, "--learning_rate", "1e-3",
+          "--max_grad_norm", "1.0", "--save_strategy", "no"]
+TOLERANCE = {"same autocast": {"bf16": 2e-3, "fp16": 2e-3}, "half weights": {"bf16": 3e-2, "fp16": 1e-2}}
+
+
+def train(kind, output_dir, *flags, env=None):
+    return launch(kind, output_dir, *COMMON, *flags, ranks=RANKS, script=TINY_TRAIN, env=env)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """plain(precision) -> output_dir of plain ExtTrainer (DDP on 2 GPUs) in that precision, trained once."""
+    root = tmp_path_factory.mktemp("plain")
+
+    def output_dir(precision):
+        if not (root / precision / "trainer_state.json").is_file():
+            train("torchrun", root / precision, f"--{precision}")
+        return root / precision
+
+    return output_dir
+
+
+def assert_trains_like(reference, output_dir, precision, weights):
+    """Same losses within the tolerance; gradient norms (taken after unscaling, over all shards) alike."""
+    ours, theirs = logged(reference), logged(output_dir)
+    assert sorted(ours) == sorted(theirs) == list(range(1, 9))
+    assert max(abs(ours[step] - theirs[step]) for step in ours) < TOLERANCE[weights][precision]
+    norms = [(a, b) for a, b in zip(logged(reference, "grad_norm").values(), logged(output_dir, "grad_norm").values())
+             if math.isfinite(a) and math.isfinite(b) and a > 0]
+    assert norms and all(1 / 1.5 < b / a < 1.5 for a, b in norms), norms
+
+
+@requires_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("options", ["simple", "zero_dp_2", "zero_dp_3", "zero_dp_2 offload", "zero_dp_3 offload"])
+def test_every_sharded_ddp_mode_trains_like_plain(plain, tmp_path, options, precision):
+    """On an H100 `simple` ran fp32 under --fp16 (0.17x), zero_dp_2/3 died at the first step (fp16: grad_scaler
+    keyword on fused AdamW; bf16: bf16 gradients beside fp32 weights) and offload asserted the model was on the GPU."""
+    train("torchrun", tmp_path, f"--{precision}", "--sharded_ddp", options)
+    assert_trains_like(plain(precision), tmp_path, precision,
+                       "same autocast" if options == "simple" else "half weights")
+    assert (tmp_path / "model.safetensors").is_file()
+
+
+@requires_cuda
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused", "adafactor"])
+def test_fsdp_fp16_steps_with_the_optimizers_offered(tmp_path, optim):
+    """--optim choices under FairScale's ShardedGradScaler: fused AdamW is swapped for foreach, the others run as is."""
+    train("torchrun", tmp_path, "--fp16", "--sharded_ddp", "zero_dp_2", "--optim", optim)
+    assert all(math.isfinite(loss) for loss in logged(tmp_path).values())
+
+
+@requires_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_zero2_defaults_train_like_plain(plain, tmp_path, precision):
+    """ZeRO-2 with our GPU defaults (no bucket copy, overflow found from the gradient norm) follows the plain run."""
+    out = train("deepspeed", tmp_path, f"--{precision}", "--deepspeed", "zero2_minimal")
+    assert_trains_like(plain(precision), tmp_path, precision, "half weights")
+    resolved = json.loads((tmp_path / "ds_config.resolved.json").read_text())
+    assert resolved["zero_optimization"]["contiguous_gradients"] is False
+    assert resolved["zero_optimization"]["overlap_comm"] is (RANKS > 1)
+    if precision == "bf16":
+        assert resolved["bf16"]["check_grad_overflow"] is True  # kept on: ExtTrainer makes it free
+    assert "no per-parameter scan" in out.stdout + out.stderr
+
+
+@requires_cuda
+def test_zero2_builds_its_op_with_an_arch_letter_in_torch_cuda_arch_list(tmp_path):
+    """Hopper images set TORCH_CUDA_ARCH_LIST=9.0a; DeepSpeed 0.19's FusedAdam build died on int('0a')."""
+    major, minor = torch.cuda.get_device_capability(0)
+    out = train("deepspeed", tmp_path, "--bf16", "--deepspeed", "zero2_minimal",
+                env={"TORCH_CUDA_ARCH_LIST": f"{major}.{minor}a"})
+    assert f"TORCH_CUDA_ARCH_LIST='{major}.{minor}a' -> '{major}.{minor}'" in out.stdout + out.stderr  # said
+    assert len(logged(tmp_path)) == 8
+
+
+@requires_cuda
+@pytest.mark.parametrize("config,precision", [("zero2_offload", "bf16"), ("ds_configs/zero2.json", "fp16")])
+def test_offload_and_the_classic_published_config_train(tmp_path, config, precision):
+    """ZeRO-2 with the optimizer on the CPU, and the classic fp16 + cpu_offload file pasted verbatim."""
+    train("deepspeed", tmp_path, f"--{precision}", "--deepspeed", config)
+    assert all(math.isfinite(loss) for loss in logged(tmp_path).values())
+
+
+@requires_cuda
+def test_nonfinite_bf16_step_is_skipped_and_named_on_the_gpu(tmp_path):
+    """Without DeepSpeed's per-parameter scan a bf16 step with inf/NaN gradients must still be skipped, and said."""
+    out = train("deepspeed", tmp_path, "--bf16", "--deepspeed", "zero2_minimal",
+                env={"TINY_TRAIN_NONFINITE_STEPS": "3"})
+    assert "step 3 skipped: gradient norm" in out.stdout + out.stderr
+    assert all(math.isfinite(loss) for step, loss in logged(tmp_path).items() if step != 3)
