@@ -134,6 +134,18 @@ def test_resume_from_a_damaged_checkpoint(tiny_run, tmp_path):
                     "optimizer.pt does not match the checksum", damage)
 
 
+@pytest.mark.parametrize("value", ["true", "auto"])
+def test_resume_from_checkpoint_true_or_auto_takes_the_newest(tiny_run, tmp_path, value):
+    """`--resume_from_checkpoint true` passed the argument check, then failed at train time as a folder named 'true'."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run, run_dir)
+    out = run([PYTHON, TINY_TRAIN, "--output_dir", run_dir, "--max_steps", 3, "--save_steps", 1, "--report_to", "none",
+               "--per_device_train_batch_size", 8, "--resume_from_checkpoint", value])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming from {run_dir / 'checkpoint-2'}" in out.stderr
+    assert (run_dir / "checkpoint-3").is_dir()
+
+
 def test_resume_with_another_model(tiny_run, tmp_path):
     checkpoint_case(tiny_run, tmp_path, [GLUE, "--output_dir", "{run}", "--do_train", *FAST[:2], "--max_steps", 4],
                     "was written by a different model")

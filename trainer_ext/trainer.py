@@ -264,7 +264,7 @@ class ExtTrainer(Trainer):
             return finished
         if checkpoint and self.is_world_process_zero():
             logger.warning("resuming from %s%s", checkpoint, " (pass --fresh_start to start over)"
-                           if resume_from_checkpoint in (None, "auto", True) else "")
+                           if _means_newest(resume_from_checkpoint) else "")
         self._resume_data_state = (read_data_state(checkpoint) if checkpoint and not self.args.ignore_data_skip
                                    else None)
         self.preemption.install()
@@ -327,7 +327,7 @@ class ExtTrainer(Trainer):
         return remote
 
     def _checkpoint_to_resume(self, requested):
-        if requested in (None, "auto", True):
+        if _means_newest(requested):
             if requested is None and getattr(self.args, "fresh_start", False):
                 return None
             found = self._newest_intact_checkpoint()
@@ -430,6 +430,12 @@ def _release_process_group_at_exit() -> None:
 
     atexit.register(release)
     _RELEASE_REGISTERED.append(release)
+
+
+def _means_newest(requested) -> bool:
+    """None, "auto", True, or the command line's "true"/"True": the newest intact checkpoint in output_dir, if any."""
+    return requested is None or requested is True or (isinstance(requested, str) and requested in
+                                                       ("auto", "true", "True"))
 
 
 def _check_class_weights(weights, loss_fn, model) -> None:
