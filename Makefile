@@ -30,9 +30,9 @@ demo: setup
 		--logging_steps 10 --save_strategy no --report_to none
 
 # On a machine with a CUDA GPU: its own python with a CUDA build of torch (never .venv, which holds the CPU wheel).
-# deepspeed, fairscale and datasets come from .whl/ when it exists (bash ../shared/gpu/bundle.sh builds it; a machine
-# without internet), else from pip. `gpu-test` runs every CUDA-only test (~8 min on one H100), `gpu-bench`
-# benchmarks/gpu.py (under 10 min, writes benchmarks/results/gpu.md); `gpu-check` runs both.
+# deepspeed, fairscale and datasets come from .whl/ when it exists (wheels built for that machine's python, for a machine
+# without internet; `pip wheel --no-deps deepspeed fairscale` builds the two that ship as sources), else from pip.
+# `gpu-test` runs every CUDA-only test (~8 min on one H100), `gpu-bench` benchmarks/gpu.py (under 10 min, writes benchmarks/results/gpu.md); `gpu-check` runs both.
 GPU_PY ?= python3
 GPU_SITE ?= /tmp/trainer_ext-gpu-site
 GPU_ENV = PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PATH=$(GPU_SITE)/bin:$$PATH PYTHONUNBUFFERED=1
