@@ -14,6 +14,7 @@ import pytest
 from conftest import (BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, assert_same_training, clean_env,
                       free_port)
 from trainer_ext.checkpoint import MARKER, newest_valid_checkpoint, rotate
+from trainer_ext.data.samplers import ResumableBatchSampler
 
 LAUNCHERS = {
     "ddp": lambda port: [BIN / "torchrun", "--nproc_per_node", 2, "--master_port", port, GLUE],
@@ -190,6 +191,12 @@ def test_sigterm_to_the_launcher_checkpoints_and_the_rerun_continues(uninterrupt
                            env={**env, "RECORD_DIR": str(tmp_path / "second")})
     assert again.returncode == 0, again.stderr[-4000:]
     assert f"resuming from {saved}" in again.stdout + again.stderr
-    if step + 2 <= 14:  # the recorded uninterrupted order covers 14 steps
-        for rank in range(2):
-            assert loaded(tmp_path / "second", rank)[:16] == loaded(uninterrupted / "indices", rank)[step * 8:][:16]
+    # The order continues at the checkpoint's sample, whatever step the signal reached: the sampler's stream for
+    # steps step+1, step+2 (tests/test_resume_order.py checks that stream against uninterrupted runs).
+    for rank in range(2):
+        stream = ResumableBatchSampler(100, 8, rank=rank, world_size=2, seed=5)
+        expected = [stream.micro_batch(s // stream.steps_per_epoch, s % stream.steps_per_epoch)
+                    for s in (step, step + 1)]
+        assert loaded(tmp_path / "second", rank)[:16] == expected[0] + expected[1]
+        if step + 2 <= 14:  # and the uninterrupted run recorded the same samples
+            assert expected[0] + expected[1] == loaded(uninterrupted / "indices", rank)[step * 8:][:16]
