@@ -1,6 +1,6 @@
 """One benchmark training run: the pretrained MiniLM classifier on the shipped classification set, padded to a fixed
 length, with the stock transformers `Trainer` (`--trainer stock`) or `ExtTrainer` (`--trainer ext`), under whatever
-launcher started it; each rank writes `<--report_dir>/rank<R>.json` (trainer_ext.memory.ModelStateReport).
+launcher started it; each rank writes `<--report_dir>/rank<R>.json` (benchmarks/memory.py: ModelStateReport).
 
     torchrun --nproc_per_node 2 benchmarks/train.py --trainer ext --report_dir out/r --output_dir out/o --max_steps 30
     deepspeed --num_gpus 2 benchmarks/train.py --trainer stock --deepspeed ds_configs/zero2_auto.json --use_cpu ...
@@ -131,7 +131,7 @@ def main():
     import transformers
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
-    from trainer_ext.memory import ModelStateReport
+    from memory import ModelStateReport  # benchmarks/memory.py
 
     if mine.trainer == "ext":
         from trainer_ext import ExtArgumentParser, ExtTrainer, ExtTrainingArguments

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import BIN, PYTHON, REPO, free_port, run
 from trainer_ext import ArgumentsError, ExtTrainingArguments
-from trainer_ext.options import parse_sharded_ddp
+from trainer_ext.backends.fairscale import parse_options as parse_sharded_ddp
 
 SCRIPT = REPO / "tests" / "scripts" / "parse_args.py"
 
@@ -162,7 +162,7 @@ def test_cpu_ranks_share_the_cores_unless_the_user_chose(monkeypatch):
     """N ranks each running one thread per core oversubscribe the machine N times."""
     import torch
 
-    from trainer_ext.args import share_cores_between_cpu_ranks
+    from trainer_ext.runtime import share_cores_between_cpu_ranks
 
     before = torch.get_num_threads()
     try:

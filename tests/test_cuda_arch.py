@@ -64,9 +64,10 @@ def test_a_bad_value_stops_argument_parsing_with_exit_2_on_gpu_ranks(tmp_path, m
     """A user's environment mistake is one line and exit status 2, before any model exists. The check runs where
     DeepSpeed builds CUDA ops: this machine has no GPU, so the arguments are told the ranks are not CPU ranks."""
     from trainer_ext import args as args_module
+    from trainer_ext import runtime
 
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "sm_90")
-    monkeypatch.setattr(args_module, "cpu_ranks", lambda args: False)
+    monkeypatch.setattr(runtime, "cpu_ranks", lambda args: False)
     parser = args_module.ExtArgumentParser(args_module.ExtTrainingArguments)
     with pytest.raises(SystemExit) as stopped:
         parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--deepspeed", "zero2_minimal"])

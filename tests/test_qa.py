@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import BIN, PYTHON, REPO, free_port, run
 
-from trainer_ext.options import ArgumentsError
+from trainer_ext.errors import ArgumentsError
 from trainer_ext.tasks.qa import (DataArguments, example_nbest, exact_match_score, f1_score, gold_answers,
                                   load_squad, normalize_answer, postprocess_predictions, prepare_train_features,
                                   prepare_validation_features, shipped_model, squad_metrics)

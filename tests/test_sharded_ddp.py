@@ -10,7 +10,8 @@ import torch
 
 from conftest import (ACCUMULATE, PLAIN, PYTHON, REPO, STEPS, TINY_TRAIN, assert_same_training, free_port, launch,
                       logged, max_weight_difference, run)
-from trainer_ext.options import ArgumentsError, check_sharded_ddp_machine
+from trainer_ext.backends.fairscale import check_machine as check_sharded_ddp_machine
+from trainer_ext.errors import ArgumentsError
 
 SCRIPT = REPO / "tests" / "scripts" / "parse_args.py"
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from trainer_ext.deepspeed_config import (DeepSpeedConfigError, build_deepspeed_config, load_deepspeed_config,
-                                          resolve_deepspeed_config, resolve_world_size)
+from trainer_ext.deepspeed_config import (DeepSpeedConfigError, build_deepspeed_config, finish_deepspeed_config,
+                                          load_deepspeed_config, resolve_deepspeed_config, resolve_world_size)
 
 
 def problems(flags, config, **kwargs):
@@ -316,3 +316,42 @@ def test_stock_training_arguments_keep_the_differs_from_default_rule(tmp_path):
 def test_file_values_out_of_the_flag_ranges_are_refused(config, phrase):
     """A file's negative lr would reach torch's "Invalid learning rate" after the model is loaded."""
     assert any(phrase in problem for problem in problems({}, config))
+
+
+def phase_one(flags, config, world_size):
+    """What ExtTrainingArguments resolves at parse time, with the file's values written onto the flags."""
+    resolution = resolve_deepspeed_config(flags, config, world_size=world_size, final=False)
+    flags.update(resolution.effective_flags)
+    return resolution
+
+
+def test_phase_two_fills_only_what_was_pending():
+    """The step count and the model's hidden size arrive at training start; everything else was already used."""
+    flags = {"warmup_steps": 0.1}
+    first = phase_one(flags, "zero2_auto", world_size=2)
+    assert "scheduler.params.total_num_steps" in first.pending
+    done = finish_deepspeed_config(first, flags, world_size=2, num_training_steps=50, hidden_size=64)
+    assert done.config["scheduler"]["params"]["total_num_steps"] == 50
+    assert done.config["scheduler"]["params"]["warmup_num_steps"] == 5
+    assert done.config["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+    assert not done.pending and done.config["train_batch_size"] == first.config["train_batch_size"]
+    assert first.config["scheduler"]["params"]["total_num_steps"] == "auto"  # phase 1's own result is left alone
+
+
+def test_a_batch_split_for_another_world_size_is_an_error_not_a_second_batch_size():
+    """A file giving only train_batch_size is split by the launcher's WORLD_SIZE at parse time; the sampler is built
+    from that micro batch. A process group of another size must stop the run, never hand DeepSpeed another batch."""
+    flags = {}
+    first = phase_one(flags, {"train_batch_size": 32}, world_size=2)
+    assert flags["per_device_train_batch_size"] == 16  # what the sampler uses
+    with pytest.raises(DeepSpeedConfigError, match="train_batch_size=32 in the file was split for 2 rank.*process "
+                                                   "group has 4"):
+        finish_deepspeed_config(first, flags, world_size=4, num_training_steps=10)
+
+
+def test_batch_fields_from_the_flags_follow_the_real_world_size():
+    """Micro batch and accumulation come from the flags: the real world size only changes the global batch."""
+    flags = {"per_device_train_batch_size": 4}
+    first = phase_one(flags, {}, world_size=2)
+    done = finish_deepspeed_config(first, flags, world_size=3, num_training_steps=10)
+    assert (done.config["train_micro_batch_size_per_gpu"], done.config["train_batch_size"]) == (4, 12)

@@ -17,7 +17,7 @@ _LAZY = {
     "resolve_deepspeed_config": ".deepspeed_config",
     "load_deepspeed_config": ".deepspeed_config",
     "DeepSpeedConfigError": ".deepspeed_config",
-    "ArgumentsError": ".options",
+    "ArgumentsError": ".errors",
     "Preempted": ".preemption",
 }
 __all__ = sorted(_LAZY)

@@ -1,10 +1,11 @@
-"""ExtTrainingArguments: transformers' TrainingArguments plus the v4 flags our users still type, validated
-at parse time, and the DeepSpeed config resolved against the flags before transformers sees it."""
+"""ExtTrainingArguments: transformers' TrainingArguments plus the v4 flags our users still type, every flag validated at
+parse time (all problems at once), and the chosen backend's settings resolved before transformers sees them."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import importlib.util
+import json
 import logging
 import os
 import sys
@@ -15,81 +16,106 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from .cuda_arch import prepare_for_deepspeed
-from .errors import UserError, debugging
-from .leftovers import clear_leftovers
-from .deepspeed_config import load_deepspeed_config, resolve_deepspeed_config
-from .options import (FP16_BACKENDS, FP16_OPT_LEVELS, SHARDED_DDP_OPTIONS, ArgumentsError, check_fp16_device,
-                      check_sharded_ddp_machine, flag_problems)
+from .backends import backend_class, selection_problems
+from .backends.fairscale import OPTIONS as SHARDED_DDP_OPTIONS
+from .deepspeed_config import FLAG_RANGES, out_of_range
+from .errors import ArgumentsError, UserError, closest, debugging
+from .runtime import prepare_cpu_ranks, quiet_deepspeed_on_cpu_machines
+from .settings import merge_warmup_ratio
 
 logger = logging.getLogger(__name__)
 
-
-def launched_world_size() -> int:
-    """Ranks the launcher (torchrun, torch.distributed.launch, deepspeed) started, from its environment."""
-    value = os.environ.get("WORLD_SIZE", "1").strip()
-    return int(value) if value.isdigit() else 1
+FP16_BACKENDS = ("auto", "amp", "apex")
+FP16_OPT_LEVELS = ("O0", "O1", "O2", "O3")
 
 
-def local_ranks() -> int:
-    """Ranks started on this machine: torchrun's LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE."""
-    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        value = os.environ.get(key, "").strip()
-        if value.isdigit():
-            return int(value)
-    return 1
+def check_fp16_device(fp16: bool, cuda_available: bool, from_deepspeed_file: bool) -> None:
+    if fp16 and not cuda_available:
+        raise ArgumentsError(
+            "fp16 needs a CUDA device and this machine has none: use --bf16 (or fp32) on CPU"
+            + (" — fp16 comes from the DeepSpeed file's fp16.enabled: set it to \"auto\" (or use "
+               "--deepspeed zero2_minimal)" if from_deepspeed_file else ""))
 
 
-def share_cores_between_cpu_ranks() -> int | None:
-    """torchrun and torch.distributed.launch give each of several ranks OMP_NUM_THREADS=1; the deepspeed launcher
-    sets nothing, so each CPU rank starts one thread per core and N ranks ask for N times the machine. Give each rank
-    its share of the cores, as torchrun would, unless the user chose a number (on 2 cores and MiniLM the stock
-    Trainer measured the same either way: benchmarks/results/backends.md). Returns the threads set, or None."""
-    ranks = local_ranks()
-    if "OMP_NUM_THREADS" in os.environ or ranks < 2:
+def check_fp16_backend(backend: str, opt_level: str) -> None:
+    if backend not in FP16_BACKENDS:
+        raise ArgumentsError(f"--fp16_backend {backend!r}: choose one of {', '.join(FP16_BACKENDS)}")
+    if opt_level not in FP16_OPT_LEVELS:
+        raise ArgumentsError(f"--fp16_opt_level {opt_level!r}: choose one of {', '.join(FP16_OPT_LEVELS)}")
+    if backend == "apex" and importlib.util.find_spec("apex") is None:
+        raise ArgumentsError("--fp16_backend apex: NVIDIA apex is not installed "
+                             "(install it from https://github.com/NVIDIA/apex, or use --fp16_backend amp)")
+
+
+def check_fp16_backend(backend: str, opt_level: str) -> None:
+    if backend not in FP16_BACKENDS:
+        raise ArgumentsError(f"--fp16_backend {backend!r}: choose one of {', '.join(FP16_BACKENDS)}")
+    if opt_level not in FP16_OPT_LEVELS:
+        raise ArgumentsError(f"--fp16_opt_level {opt_level!r}: choose one of {', '.join(FP16_OPT_LEVELS)}")
+    if backend == "apex" and importlib.util.find_spec("apex") is None:
+        raise ArgumentsError("--fp16_backend apex: NVIDIA apex is not installed "
+                             "(install it from https://github.com/NVIDIA/apex, or use --fp16_backend amp)")
+
+
+def parse_class_weights(value) -> list[float] | None:
+    """`--class_weights 1.0,3.0` (or a list) -> [1.0, 3.0]; every weight positive."""
+    if value is None or value == "" or value == []:
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // ranks)
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes this one starts
-    torch.set_num_threads(threads)
-    logger.info("%d CPU ranks on %d cores and OMP_NUM_THREADS unset: %d threads per rank (set OMP_NUM_THREADS to "
-                "choose)", ranks, cores, threads)
-    return threads
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        weights = [float(item) for item in items]
+    except ValueError:
+        raise ArgumentsError(f"--class_weights {value!r}: give numbers separated by commas, e.g. 1.0,3.0") from None
+    if len(weights) < 2 or any(w <= 0 for w in weights):
+        raise ArgumentsError(f"--class_weights {value!r}: need one positive weight per class (at least two)")
+    return weights
 
 
-def launch_one_rank_without_launcher() -> bool:
-    """`python script.py --deepspeed ...` with no launcher: give this process the variables the deepspeed launcher (or
-    accelerate launch) would give a 1-rank job. Without them DeepSpeed looks for MPI and dies importing mpi4py.
-    Returns True when it set them."""
-    if any(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
-        return False
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                      MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
-    return True
-
-
-def accelerator_available() -> bool:
-    accelerator = getattr(torch, "accelerator", None)
-    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+def parse_storage_options(text: str | dict | None) -> dict:
+    """--checkpoint_storage_options: a JSON object of fsspec options (a dict from Python)."""
+    if isinstance(text, dict):
+        return dict(text)
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except ValueError as err:
+        raise ArgumentsError(f"--checkpoint_storage_options {text!r} is not JSON ({err}); e.g. "
+                             '\'{"endpoint_url": "http://127.0.0.1:9000"}\'') from None
+    if not isinstance(options, dict):
+        raise ArgumentsError(f"--checkpoint_storage_options {text!r} must be a JSON object")
+    return options
 
 
-def quiet_deepspeed_on_cpu_machines() -> None:
-    """accelerate imports DeepSpeed whenever it is installed (even for runs that do not use it), and DeepSpeed then
-    warns "Setting accelerator to CPU ... we were unable to detect it" on every machine without a GPU: a warning that
-    needs no action. DS_ACCELERATOR=cpu is DeepSpeed's own override for the choice it would make anyway, unwarned."""
-    if "DS_ACCELERATOR" not in os.environ and not accelerator_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
+def flag_problems(args) -> list[str]:
+    """Every check of the flags that does not depend on this machine, one line per problem: ExtTrainingArguments
+    runs it at parse time and `trainer-ext ds-config` before rendering, so both accept the same flags; each backend
+    checks its own. Normalises in place (--sharded_ddp to a list, --warmup_ratio into --warmup_steps, --class_weights
+    to numbers, --checkpoint_storage_options to a dict)."""
+    problems: list[str] = []
+
+    def checked(parse, *values, otherwise=None):
+        try:
+            return parse(*values)
+        except ArgumentsError as err:
+            problems.append(str(err))
+            return otherwise
+
+    checked(check_fp16_backend, args.fp16_backend, args.fp16_opt_level)
+    args.warmup_steps = checked(merge_warmup_ratio, args.warmup_steps, args.warmup_ratio, otherwise=args.warmup_steps)
+    args.class_weights = checked(parse_class_weights, args.class_weights)
+    args.checkpoint_storage_options = checked(parse_storage_options, args.checkpoint_storage_options, otherwise={})
+    return problems + selection_problems(args) + value_problems(args)
 
 
-def cpu_ranks(args) -> bool:
-    """Whether these arguments train on CPUs (before the device exists): --use_cpu, or no accelerator at all."""
-    return bool(getattr(args, "use_cpu", False)) or not accelerator_available()
+def value_problems(args) -> list[str]:
+    """Flags out of FLAG_RANGES, and a training run with nothing to train."""
+    problems = [f"--{flag} {getattr(args, flag)}: {why}" for flag in FLAG_RANGES
+                if (why := out_of_range(flag, getattr(args, flag)))]
+    if args.do_train and args.max_steps <= 0 and args.num_train_epochs <= 0:
+        problems.append(f"--num_train_epochs {args.num_train_epochs} and --max_steps {args.max_steps}: nothing "
+                        "to train; give a positive --num_train_epochs or --max_steps")
+    return problems
 
 
 # The ExtArgumentParser whose command line is being turned into dataclasses right now (it passes every field).
@@ -151,42 +177,19 @@ class ExtTrainingArguments(TrainingArguments):
         quiet_deepspeed_on_cpu_machines()
         if problems := flag_problems(self):  # what this machine cannot change; trainer-ext ds-config runs the same
             raise ArgumentsError("\n".join(problems))
-        self.deepspeed_user_config = None  # the file as given; re-resolved once the step count is known
-        self.deepspeed_resolution = None
-        if self.deepspeed:
-            launch_one_rank_without_launcher()
-            clear_leftovers()  # before transformers' set-up loads DeepSpeed's communication op
-            if not cpu_ranks(self):
-                prepare_for_deepspeed()  # before any DeepSpeed op is built (FusedAdam, at the first train())
-            self.deepspeed_user_config, origin = load_deepspeed_config(self.deepspeed)
-            resolution = resolve_deepspeed_config(self, self.deepspeed_user_config, final=False,
-                                                  cpu_ranks=cpu_ranks(self))
-            for flag, value in resolution.effective_flags.items():
-                setattr(self, flag, value)  # so logs and the Trainer tell the truth
-            self.deepspeed_resolution = resolution
-            self.deepspeed = resolution.config
-        from_file = bool(self.deepspeed_resolution and "fp16" in self.deepspeed_resolution.effective_flags)
-        check_fp16_device(self.fp16, torch.cuda.is_available(), from_file)
-        if self.sharded_ddp:
-            check_sharded_ddp_machine(self.sharded_ddp, torch.cuda.is_available(), bool(self.fp16 or self.bf16))
+        self.deepspeed_resolution = None  # set by the DeepSpeed backend: the config resolved against these flags
+        backend_class(self).prepare_arguments(self)
+        check_fp16_device(self.fp16, torch.cuda.is_available(), from_deepspeed_file=False)
         self.check_output_dir()
         self.check_paths()
-        if launched_world_size() > 1 and not self.use_cpu and not accelerator_available():
-            # Without it transformers 5 leaves each CPU rank on its own: N independent runs, no error.
-            logger.warning("%d ranks launched and no GPU: setting --use_cpu so the ranks form one gloo "
-                           "process group", launched_world_size())
-            self.use_cpu = True
-        if cpu_ranks(self):
-            share_cores_between_cpu_ranks()
-            if not accelerator_available():
-                self.dataloader_pin_memory = False  # nothing to pin for; torch would warn on every dataloader
+        prepare_cpu_ranks(self)
         super().__post_init__()
 
     @property
     def place_model_on_device(self):
-        # transformers' hook for integrations: FairScale's FSDP with offload keeps the fp32 shards where it finds the
-        # model and asserts they are on the CPU, so the Trainer must not move it to the GPU first.
-        return False if "offload" in (self.sharded_ddp or []) else super().place_model_on_device
+        # transformers' hook for integrations: the backend may need the model where it was built (FSDP offload).
+        decided = backend_class(self).places_model_on_device(self)
+        return decided if decided is not None else super().place_model_on_device
 
     def check_output_dir(self) -> None:
         """--output_dir is a folder this process can write (or create), checked before any training."""
@@ -239,8 +242,8 @@ class ExtArgumentParser(HfArgumentParser):
         valid = [option for action in self._actions for option in action.option_strings]
         messages = []
         for word in flags or unknown:
-            hint = difflib.get_close_matches(word, valid, n=1, cutoff=0.6)
-            messages.append(f"unrecognized argument {word}" + (f" (did you mean {hint[0]}?)" if hint else ""))
+            hint = closest(word, valid)
+            messages.append(f"unrecognized argument {word}" + (f" (did you mean {hint}?)" if hint else ""))
         return messages
 
     def flags_named(self, argv) -> frozenset[str]:

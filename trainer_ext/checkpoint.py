@@ -186,3 +186,136 @@ def check_compatible(checkpoint, fingerprint: dict) -> None:
         raise CheckpointError(f"checkpoint {checkpoint} was written by a different model ({'; '.join(differences)}): "
                          "resume with the model that wrote it, or pass --fresh_start (or another --output_dir) "
                          "to start over; nothing was overwritten")
+
+
+# -- one run's checkpoints, as ExtTrainer uses them --------------------------------------------------------------------
+
+def means_newest(requested) -> bool:
+    """None, "auto", True, or the command line's "true"/"True": the newest intact checkpoint in output_dir, if any."""
+    return requested is None or requested is True or (isinstance(requested, str) and requested in
+                                                       ("auto", "true", "True"))
+
+
+class RunCheckpoints:
+    """Which checkpoint a run resumes (the newest intact one, local or from --checkpoint_uri), whether the run is
+    already complete, and each new checkpoint written aside, published complete with its marker, rotated and copied to
+    the remote. Every rank takes the same decision: the main process reads the files once and shares its answer."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.args = trainer.args
+        self.remote = None  # --checkpoint_uri
+        self.staging = None  # set while a checkpoint is being written
+
+    # -- before training -------------------------------------------------------------------------------------------
+    def open_remote(self) -> None:
+        """--checkpoint_uri, checked (write, list, read) by the process that saves, before anything trains (unless
+        ExtTrainingArguments checked it already, before the model was loaded)."""
+        uri = getattr(self.args, "checkpoint_uri", None)
+        if not uri:
+            return
+        from .remote import RemoteCheckpoints
+
+        self.remote = RemoteCheckpoints(uri, getattr(self.args, "checkpoint_storage_options", None))
+        if self.args.should_save and not getattr(self.args, "checkpoint_uri_checked", False):
+            self.remote.check()
+
+    def to_resume(self, requested, fingerprint) -> str | None:
+        """The checkpoint `train(resume_from_checkpoint=requested)` continues from; None: from scratch."""
+        trainer = self.trainer
+        if means_newest(requested):
+            if requested is None and getattr(self.args, "fresh_start", False):
+                return None
+            found = self.newest_intact()
+            if found is None and self.remote is not None:
+                if self.args.should_save:
+                    self.remote.download_newest(self.args.output_dir)
+                trainer.accelerator.wait_for_everyone()
+                found = self.newest_intact()
+            if trainer.is_world_process_zero() and not found:
+                logger.info("no complete checkpoint in %s: starting from scratch", self.args.output_dir)
+            checkpoint = str(found) if found else None
+        else:
+            checkpoint = str(requested)
+            if not Path(checkpoint).is_dir():
+                raise CheckpointError(f"--resume_from_checkpoint {checkpoint}: no such folder (give a checkpoint-N "
+                                      "folder, or auto for the newest complete one in --output_dir)")
+            damaged = self.decided_by_main_process(lambda: damage(Path(checkpoint)))
+            if damaged:
+                raise CheckpointError(f"--resume_from_checkpoint {checkpoint}: {damaged}; resume from another "
+                                      "checkpoint, or pass --resume_from_checkpoint auto to take the newest intact one")
+            problem = problem_with(Path(checkpoint))
+            if problem:
+                logger.warning("resuming from %s although %s", checkpoint, problem)
+        if checkpoint:
+            check_compatible(checkpoint, fingerprint)
+        return checkpoint
+
+    def newest_intact(self) -> Path | None:
+        """The newest complete checkpoint whose files are all as written (sizes and checksums)."""
+        return self.decided_by_main_process(lambda: newest_valid_checkpoint(self.args.output_dir, checksums=True))
+
+    def decided_by_main_process(self, decide):
+        """`decide()` run once, by the main process (reading a checkpoint's files once, not once per rank), and its
+        answer shared: every rank must resume from the same checkpoint."""
+        answer = decide() if self.args.process_index == 0 else None
+        if self.args.world_size > 1:
+            from accelerate.utils import broadcast_object_list
+
+            answer = broadcast_object_list([answer], from_process=0)[0]
+        return answer
+
+    def already_complete(self, checkpoint, max_steps: int):
+        """A re-run of a finished command (a scheduler or spot restart) finds its last checkpoint at the run's final
+        step: the trainer's state and finished weights are loaded for evaluation/prediction, and the TrainOutput to
+        return is given; None when there is training left. (transformers would train one step more, rotate an older
+        checkpoint away and overwrite the metrics.)"""
+        from transformers import TrainerState
+        from transformers.trainer import TRAINER_STATE_NAME
+        from transformers.trainer_utils import TrainOutput
+
+        if not checkpoint:
+            return None
+        state = TrainerState.load_from_json(str(Path(checkpoint) / TRAINER_STATE_NAME))
+        if state.global_step < max_steps:
+            return None
+        trainer = self.trainer
+        deepspeed = trainer.is_deepspeed_enabled
+        trainer.is_deepspeed_enabled = False  # below ZeRO-3 every checkpoint holds the whole model in model.safetensors
+        try:
+            trainer._load_from_checkpoint(str(checkpoint))  # the Trainer's own loader (weights, as resume does)
+        finally:
+            trainer.is_deepspeed_enabled = deepspeed
+        trainer.state = state
+        final = Path(self.args.output_dir)
+        where = final if any(final.glob("model*.safetensors")) or any(final.glob("pytorch_model*.bin")) else checkpoint
+        if trainer.is_world_process_zero():
+            print(f"trainer_ext: training already complete at step {state.global_step} ({checkpoint}): nothing to "
+                  f"train; the model is in {where}", flush=True)
+        losses = [row["train_loss"] for row in state.log_history if "train_loss" in row]
+        return TrainOutput(state.global_step, losses[-1] if losses else float("nan"), {"already_complete": True})
+
+    # -- while training --------------------------------------------------------------------------------------------
+    def publish_staged(self, staged: Path, run_dir: Path, data_state: dict | None, info: dict) -> None:
+        """The main process's part once every rank wrote into `staged`: the training order's position, the marker
+        (published last, by rename), the best checkpoint's new path, rotation, and the remote copy."""
+        state = self.trainer.state
+        name = f"checkpoint-{state.global_step}"
+        if data_state is not None:
+            (staged / name / DATA_STATE).write_text(json.dumps(data_state, indent=2) + "\n")
+        final = publish(staged / name, run_dir, info)
+        best = state.best_model_checkpoint
+        if best and Path(best).parent == staged:
+            state.best_model_checkpoint = str(final)
+        deleted = rotate(run_dir, self.args.save_total_limit,
+                         keep=Path(state.best_model_checkpoint) if state.best_model_checkpoint else None)
+        if self.remote is not None:  # in the background: the next step does not wait for the copy
+            self.remote.upload(final)
+            self.remote.delete([path.name for path in deleted])
+        if staged.is_dir() and not any(staged.iterdir()):
+            staged.rmdir()
+
+    def wait(self) -> None:
+        """Uploads still running finish (at the end, and on preemption)."""
+        if self.remote is not None:
+            self.remote.wait()

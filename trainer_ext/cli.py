@@ -22,9 +22,8 @@ commands:
 
 
 def ds_config(argv: list[str]) -> int:
-    from .args import ExtArgumentParser, ExtTrainingArguments
+    from .args import ExtArgumentParser, ExtTrainingArguments, flag_problems
     from .deepspeed_config import DeepSpeedConfigError, explain, resolve_deepspeed_config
-    from .options import flag_problems
 
     parser = ExtArgumentParser(ExtTrainingArguments, prog="trainer-ext ds-config",
                                description="Resolve a DeepSpeed config against TrainingArguments flags.")
@@ -150,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        import difflib
-        hint = difflib.get_close_matches(command, list(COMMANDS), n=1)
-        print(f"trainer-ext: error: unknown command {command!r}" + (f", did you mean {hint[0]!r}?" if hint else "")
+        from .errors import closest
+
+        hint = closest(command, COMMANDS)
+        print(f"trainer-ext: error: unknown command {command!r}" + (f", did you mean {hint!r}?" if hint else "")
               + f"\n{USAGE}", file=sys.stderr)
         return 2
     from .errors import user_errors

@@ -4,6 +4,7 @@ own flag). Pure: no torch."""
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import sys
@@ -14,6 +15,16 @@ DEBUG_ENV = "TRAINER_EXT_DEBUG"
 
 class UserError(ValueError):
     """A flag, file, path, checkpoint or environment the user can fix; the message names it, its value and the fix."""
+
+
+class ArgumentsError(UserError):
+    """Flags that cannot work together, or a value a flag cannot take; raised before any training starts."""
+
+
+def closest(word, choices, cutoff: float = 0.6) -> str | None:
+    """The valid choice a mistyped word most likely meant (for "did you mean ...?"), or None."""
+    hits = difflib.get_close_matches(str(word), [str(choice) for choice in choices], n=1, cutoff=cutoff)
+    return hits[0] if hits else None
 
 
 def debugging() -> bool:

@@ -10,8 +10,9 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from .field_values import WrongType, closest, field_types, read_as
-from .options import ArgumentsError
+from .backends import backend_flags
+from .errors import ArgumentsError
+from .field_values import WrongType, did_you_mean, field_types, read_as
 from .settings import OptimizerSettings, SchedulerSettings
 
 TASKS = {
@@ -21,8 +22,8 @@ TASKS = {
 }
 # Tasks whose recipe needs more than ExtTrainingArguments (generation settings).
 TRAINING_ARGUMENTS = {"translation": ("trainer_ext.seq2seq", "ExtSeq2SeqTrainingArguments")}
-SECTIONS = ("task", "description", "hyperparameters", "data", "deepspeed", "sharded_ddp")
-BACKENDS = {"deepspeed", "sharded_ddp"}
+BACKENDS = set(backend_flags())  # a top-level section each: `deepspeed: zero2_minimal`, `sharded_ddp: simple`
+SECTIONS = ("task", "description", "hyperparameters", "data", *sorted(BACKENDS))
 MODEL_KWARGS = {"config": "config_kwargs", "tokenizer": "tokenizer_kwargs", "model": "model_kwargs"}
 # optimizer / scheduler sections -> the TrainingArguments fields ExtTrainer builds them from
 OPTIMIZER_FIELDS = {"lr": "learning_rate", "betas": ("adam_beta1", "adam_beta2"), "eps": "adam_epsilon",
@@ -93,7 +94,7 @@ def load_experiment(source, argv: Sequence[str] = (), folder=None) -> Experiment
     _check_keys(values, SECTIONS, name, problems)
     task = values.get("task")
     if not isinstance(task, str) or task not in TASKS:
-        problems.append(f"{name}: task: {task!r} is not one of {', '.join(TASKS)}" + closest(task, TASKS))
+        problems.append(f"{name}: task: {task!r} is not one of {', '.join(TASKS)}" + did_you_mean(task, TASKS))
         raise ExperimentError("\n".join(problems))
     classes = argument_classes(task)
     types = {key: hint for cls in classes for key, hint in field_types(cls).items()}
@@ -135,7 +136,7 @@ def _field_names(cls) -> set[str]:
 def _check_keys(values: dict, valid, where: str, problems: list[str]) -> None:
     for key in values:
         if key not in valid:
-            problems.append(f"{where}: unknown key {key!r}" + closest(key, valid))
+            problems.append(f"{where}: unknown key {key!r}" + did_you_mean(key, valid))
 
 
 def _file_values(values: dict, name: str, classes, types: dict, problems: list[str]) -> dict:

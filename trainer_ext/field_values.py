@@ -4,12 +4,13 @@ become the numbers meant (PyYAML reads 5e-5, without a dot, as a string); a valu
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import os
 import types
 import typing
 from typing import Any, Literal, Union
+
+from .errors import closest
 
 NONE = type(None)
 UNIONS = (Union, types.UnionType)
@@ -27,9 +28,10 @@ def field_types(cls) -> dict[str, tuple[Any, Any]]:
     return {f.name: (hints[f.name], f.metadata.get("choices")) for f in dataclasses.fields(cls) if f.init}
 
 
-def closest(word, valid) -> str:
-    match = difflib.get_close_matches(str(word), [str(v) for v in valid], n=1, cutoff=0.6)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+def did_you_mean(word, valid) -> str:
+    """" (did you mean 'x'?)" for the closest valid word, or nothing."""
+    match = closest(word, valid)
+    return f" (did you mean {match!r}?)" if match else ""
 
 
 def read_as(value, hint, choices=None):
@@ -40,7 +42,7 @@ def read_as(value, hint, choices=None):
         if value is False and "no" in choices:  # YAML 1.1 reads an unquoted `no` as false
             value = "no"
         if value not in choices:
-            raise WrongType(f"expected one of {', '.join(map(str, choices))}, got {value!r}" + closest(value, choices))
+            raise WrongType(f"expected one of {', '.join(map(str, choices))}, got {value!r}" + did_you_mean(value, choices))
         return value
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in UNIONS:

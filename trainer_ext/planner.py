@@ -14,13 +14,12 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
+from .backends import backend_classes
 from .errors import UserError
 
 GIB = 2 ** 30
-# FairScale ShardedDataParallel's default reduce_buffer_size (elements): small gradients destined for another rank
-# are reduced through a bucket of this size, which stays allocated (fairscale/nn/data_parallel/sharded_ddp.py).
-SHARDED_DDP_BUCKET = 2 ** 23
 
 
 class PlanError(UserError):
@@ -48,6 +47,8 @@ class BackendFormula:
     host_optimizer: bool = False  # optimizer state and gradient partition live in CPU memory
     cuda_only: bool = False
     note: str = ""
+    preference: int = 0  # the planner recommends the lowest that fits
+    extra: Callable[[int, int], dict] | None = None  # (Ψ, N) -> bytes held beyond the terms, e.g. {"grads": ...}
 
     def bytes(self, num_parameters: int, world_size: int) -> dict[str, float]:
         def term(spec):
@@ -58,33 +59,9 @@ class BackendFormula:
 
 
 def formulas(mixed: bool) -> list[BackendFormula]:
-    """Every backend's model-state bytes per parameter, in order of preference (cheapest first)."""
-    # 16-bit params/grads in mixed precision; DeepSpeed keeps an fp32 master partition even in fp32 training,
-    # so its sharded optimizer state is 12 bytes per parameter either way (4 master + 8 for Adam's moments).
-    weight = 2 if mixed else 4
-    return [
-        # torch AMP (transformers --fp16/--bf16 under DDP) keeps fp32 weights and gradients: 16 bytes either way.
-        BackendFormula("ddp", "(no flag)", (4, False), (4, False), (8, False), 1.0),
-        BackendFormula("zero1", '--deepspeed \'{"zero_optimization": {"stage": 1}}\'', (weight, False),
-                       (weight, False), (12, True), 1.0),
-        BackendFormula("zero2", "--deepspeed zero2_minimal", (weight, False), (weight, True), (12, True), 1.0),
-        # OSS shards Adam's moments, ShardedDataParallel reduces each gradient to its owner; weights stay fp32.
-        BackendFormula("simple", "--sharded_ddp simple", (4, False), (4, True), (8, True), 1.0,
-                       note="OSS places whole tensors: a rank's share is 1/N up to the largest tensor; grads "
-                            "include ShardedDDP's buckets for the other ranks, up to min(2^23, Ψ/N) fp32 elements "
-                            "each (the most loaded rank)"),
-        # FullyShardedDataParallel keeps an fp32 shard; without resharding after forward the full (compute-dtype)
-        # parameters stay gathered through backward.
-        BackendFormula("zero_dp_2", "--sharded_ddp zero_dp_2", (4, True), (4, True), (8, True), 1.0, cuda_only=True,
-                       note=f"params include the full {weight}-byte parameters, gathered through forward and backward"),
-        BackendFormula("zero3", '--deepspeed \'{"zero_optimization": {"stage": 3}}\'', (weight, True),
-                       (weight, True), (12, True), 1.5),
-        BackendFormula("zero_dp_3", "--sharded_ddp zero_dp_3", (4, True), (4, True), (8, True), 1.5, cuda_only=True,
-                       note="plus one layer's gathered parameters at a time"),
-        # The optimizer step runs on the CPU: fp32 gradient partition, master and moments in host memory.
-        BackendFormula("zero2_offload", "--deepspeed zero2_offload", (weight, False), (4, True), (12, True), 1.0,
-                       host_optimizer=True, note="optimizer step on the CPU: slowest per step"),
-    ]
+    """Every backend's model-state bytes per parameter (each backend declares its own), cheapest first."""
+    return sorted((formula for backend in backend_classes() for formula in backend.memory_formulas(mixed)),
+                  key=lambda formula: formula.preference)
 
 
 @dataclass
@@ -157,10 +134,8 @@ def plan(size: ModelSize, world_size: int, precision: str = "fp32", offload: boo
         if formula.host_optimizer:
             host = terms["grads"] + terms["optimizer"]
             terms["grads"] = terms["optimizer"] = 0.0
-        if formula.name == "simple":  # ShardedDDP keeps one fp32 gradient bucket per other rank between steps
-            terms["grads"] += 4 * min(SHARDED_DDP_BUCKET, size.num_parameters / world_size) * (world_size - 1)
-        if formula.name == "zero_dp_2":  # gathered for forward and kept through backward (no reshard)
-            terms["params"] += size.num_parameters * (2 if mixed else 4)
+        for part, extra in (formula.extra(size.num_parameters, world_size) if formula.extra else {}).items():
+            terms[part] += extra
         estimates.append(Estimate(formula.name, formula.flag, terms["params"], terms["grads"], terms["optimizer"],
                                   activations, host, formula.communication, formula.cuda_only, formula.note))
     if device_memory is not None:

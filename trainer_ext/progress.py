@@ -3,7 +3,6 @@ actually resolved, printed once when training starts."""
 
 from __future__ import annotations
 
-import json
 import time
 
 from transformers import ProgressCallback, TrainerCallback
@@ -45,16 +44,7 @@ def describe_settings(backend, args, state) -> str:
              f"  batch {per_device} per device x {args.gradient_accumulation_steps} accumulation x {args.world_size} "
              f"ranks = {per_device * args.gradient_accumulation_steps * args.world_size} per step; "
              f"{state.max_steps} steps; {precision}"]
-    resolution = getattr(backend, "resolution", None)
-    if resolution is not None:  # DeepSpeed: the parts of the translated config that decide memory and speed
-        config = resolution.config
-        lines.append(f"  zero_optimization {json.dumps(config.get('zero_optimization', {}))}")
-        for section in ("optimizer", "scheduler"):
-            if section in config:
-                lines.append(f"  {section} {config[section]['type']} {json.dumps(config[section].get('params', {}))}")
-        lines += [f"  note: {note}" for note in resolution.notes]
-    if getattr(backend, "overflow_check", None):
-        lines.append(f"  overflow check: {backend.overflow_check}")
+    lines += [f"  {line}" for line in backend.settings_lines()]
     return "\n".join(lines)
 
 

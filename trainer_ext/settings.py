@@ -1,14 +1,38 @@
-"""Optimizer and scheduler settings as small dataclasses, filled from TrainingArguments or a config dict/file."""
+"""Optimizer and scheduler settings as small dataclasses, filled from TrainingArguments or a config dict/file, and the
+warmup rules every backend follows. Pure: no torch."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .deepspeed_config import warmup_steps
-from .errors import UserError
+from .errors import ArgumentsError, UserError
+
+
+def warmup_steps(warmup: float, num_training_steps: int | None) -> int | None:
+    """A warmup of >= 1 is a step count, of < 1 a ratio of the total (None while the total is unknown)."""
+    if warmup >= 1:
+        return int(warmup)
+    if warmup == 0:
+        return 0
+    if num_training_steps is None:
+        return None
+    return math.ceil(num_training_steps * warmup)
+
+
+def merge_warmup_ratio(steps: float, warmup_ratio: float) -> float:
+    """The v4 spelling --warmup_ratio R becomes transformers 5's --warmup_steps R (a float < 1 is a ratio)."""
+    if warmup_ratio is None or warmup_ratio == 0:
+        return steps
+    if not 0 <= warmup_ratio < 1:
+        raise ArgumentsError(f"--warmup_ratio {warmup_ratio}: a ratio must be in [0, 1)")
+    if steps:
+        raise ArgumentsError(f"--warmup_ratio {warmup_ratio} and --warmup_steps {steps} both set "
+                             "the warmup: give only one")
+    return warmup_ratio
 
 
 def _from_mapping(cls, values: dict):

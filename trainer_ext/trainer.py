@@ -3,9 +3,7 @@ custom losses without subclassing, and the backend chosen once at construction."
 
 from __future__ import annotations
 
-import json
 import logging
-import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -14,14 +12,15 @@ import torch.nn.functional as F
 from transformers import Trainer
 
 from . import progress
-from .args import quiet_deepspeed_on_cpu_machines, share_cores_between_cpu_ranks
 from .backends import select_backend
-from .checkpoint import (DATA_STATE, CheckpointError, check_compatible, damage, model_fingerprint, newest_valid_checkpoint,
-                         problem_with, publish, read_data_state, rotate, staging_dir)
+from .checkpoint import (RunCheckpoints, means_newest, model_fingerprint, newest_valid_checkpoint, read_data_state,
+                         staging_dir)
+from .data.loader import dataloader_with_batch_sampler
 from .data.samplers import ResumableBatchSampler
 from .errors import UserError, exits_on_user_error
-from .leftovers import remove_own_shm_buffer
 from .preemption import Preempted, PreemptionCallback
+from .runtime import (check_process_group, quiet_deepspeed_on_cpu_machines, release_at_exit,
+                      share_cores_between_cpu_ranks)
 from .settings import OptimizerSettings, SchedulerSettings
 
 logger = logging.getLogger(__name__)
@@ -46,11 +45,10 @@ class ExtTrainer(Trainer):
         if args is not None:
             self.backend.check(args)
         super().__init__(model, args, *positional, **kwargs)
-        _check_process_group(self.args)
+        check_process_group(self.args)
         if self.args.device.type == "cpu":
             share_cores_between_cpu_ranks()  # ExtTrainingArguments did already; plain TrainingArguments did not
-        _release_process_group_at_exit()
-        _TRAINERS.add(self)
+        release_at_exit(self)
         self.loss_fn = loss_fn
         weights = class_weights if class_weights is not None else getattr(self.args, "class_weights", None)
         self.class_weights = [float(w) for w in weights] if weights else None
@@ -58,10 +56,9 @@ class ExtTrainer(Trainer):
         self.optimizer_settings = optimizer_settings or OptimizerSettings.from_args(self.args)
         self.scheduler_settings = scheduler_settings or SchedulerSettings.from_args(self.args)
         self._model_uses_num_items = None  # decided on the first labelled batch
-        self._staging = None  # set while a checkpoint is being written
         self._train_batch_sampler = None  # the training order; its position is saved with every checkpoint
         self._resume_data_state = None  # that position, read from the checkpoint being resumed
-        self.remote = None  # --checkpoint_uri
+        self.checkpoints = RunCheckpoints(self)  # resume, publish, rotate, --checkpoint_uri
         self.training_already_complete = None  # the checkpoint a re-run found complete (train() then trains nothing)
         self.preemption = PreemptionCallback()
         self.add_callback(self.preemption)
@@ -181,9 +178,7 @@ class ExtTrainer(Trainer):
                 if self.is_world_process_zero():
                     logger.warning("resuming: %s", warning)
         self._train_batch_sampler = batch_sampler
-        dataloader = _dataloader_with_batch_sampler(self, self.train_dataset, "training", batch_sampler)
-        _unshard(dataloader, batch_sampler)
-        return dataloader
+        return dataloader_with_batch_sampler(self, self.train_dataset, "training", batch_sampler)
 
     def _init_training_state(self, *args, **kwargs):
         epochs_trained, steps_trained_in_current_epoch = super()._init_training_state(*args, **kwargs)
@@ -257,14 +252,19 @@ class ExtTrainer(Trainer):
         """Resumes by default: with no `resume_from_checkpoint` (or "auto"/True) the newest complete checkpoint
         in output_dir is used, unless --fresh_start. A SIGTERM/SIGINT ends the run after a checkpoint, with
         `Preempted` (exit status 128 + signal); running the same command again continues exactly."""
-        self.remote = self._remote_checkpoints()
-        checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
-        finished = self._already_complete(checkpoint)
-        if finished is not None:
-            return finished
-        if checkpoint and self.is_world_process_zero():
-            logger.warning("resuming from %s%s", checkpoint, " (pass --fresh_start to start over)"
-                           if _means_newest(resume_from_checkpoint) else "")
+        self.checkpoints.open_remote()
+        module = self.backend.unwrap(self.accelerator.unwrap_model(self.model))
+        checkpoint = self.checkpoints.to_resume(resume_from_checkpoint, model_fingerprint(module))
+        if checkpoint:
+            # The run's total, counted as transformers counts it for these flags and this data (epochs or max_steps).
+            max_steps = self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
+            finished = self.checkpoints.already_complete(checkpoint, max_steps)
+            if finished is not None:
+                self.training_already_complete = Path(checkpoint)
+                return finished
+            if self.is_world_process_zero():
+                logger.warning("resuming from %s%s", checkpoint, " (pass --fresh_start to start over)"
+                               if means_newest(resume_from_checkpoint) else "")
         self._resume_data_state = (read_data_state(checkpoint) if checkpoint and not self.args.ignore_data_skip
                                    else None)
         self.preemption.install()
@@ -272,170 +272,38 @@ class ExtTrainer(Trainer):
             result = super().train(resume_from_checkpoint=checkpoint, **kwargs)
         finally:
             self.preemption.uninstall()
-            if self.remote is not None:
-                self.remote.wait()  # a preempted run's last checkpoint too
+            self.checkpoints.wait()  # a preempted run's last checkpoint too
         if self.preemption.signum:
             saved = newest_valid_checkpoint(self.args.output_dir)
             logger.warning("preempted: checkpoint %s written; run the same command again to resume", saved)
             raise Preempted(self.preemption.signum, saved)
-        if self.is_world_process_zero() and hasattr(self.backend, "save_resolved_config"):
+        if self.is_world_process_zero():
             Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
-            self.backend.save_resolved_config(self.args.output_dir)
+            self.backend.save_settings(self.args.output_dir)
         return result
 
-    def _already_complete(self, checkpoint):
-        """A re-run of a finished command (a scheduler or spot restart) finds its last checkpoint at the run's final
-        step: train nothing, touch no checkpoint, load the finished weights for evaluation/prediction, say so once.
-        (transformers would train one step more, rotate an older checkpoint away and overwrite the metrics.)"""
-        from transformers import TrainerState
-        from transformers.trainer_utils import TrainOutput
-        from transformers.trainer import TRAINER_STATE_NAME
-
-        if not checkpoint:
-            return None
-        state = TrainerState.load_from_json(str(Path(checkpoint) / TRAINER_STATE_NAME))
-        # The run's total, counted as transformers counts it for these flags and this data (epochs or max_steps).
-        max_steps = self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
-        if state.global_step < max_steps:
-            return None
-        self.training_already_complete = Path(checkpoint)
-        deepspeed = self.is_deepspeed_enabled
-        self.is_deepspeed_enabled = False  # below ZeRO-3 every checkpoint holds the whole model in model.safetensors
-        try:
-            self._load_from_checkpoint(str(checkpoint))
-        finally:
-            self.is_deepspeed_enabled = deepspeed
-        self.state = state
-        final = Path(self.args.output_dir)
-        where = final if any(final.glob("model*.safetensors")) or any(final.glob("pytorch_model*.bin")) else checkpoint
-        if self.is_world_process_zero():
-            print(f"trainer_ext: training already complete at step {state.global_step} ({checkpoint}): nothing to "
-                  f"train; the model is in {where}", flush=True)
-        losses = [row["train_loss"] for row in state.log_history if "train_loss" in row]
-        return TrainOutput(state.global_step, losses[-1] if losses else float("nan"), {"already_complete": True})
-
-    def _remote_checkpoints(self):
-        """--checkpoint_uri, checked (write, list, read) by the process that saves, before anything trains."""
-        uri = getattr(self.args, "checkpoint_uri", None)
-        if not uri:
-            return None
-        from .remote import RemoteCheckpoints
-
-        remote = RemoteCheckpoints(uri, getattr(self.args, "checkpoint_storage_options", None))
-        if self.args.should_save and not getattr(self.args, "checkpoint_uri_checked", False):
-            remote.check()
-        return remote
-
-    def _checkpoint_to_resume(self, requested):
-        if _means_newest(requested):
-            if requested is None and getattr(self.args, "fresh_start", False):
-                return None
-            found = self._newest_intact_checkpoint()
-            if found is None and self.remote is not None:
-                if self.args.should_save:
-                    self.remote.download_newest(self.args.output_dir)
-                self.accelerator.wait_for_everyone()
-                found = self._newest_intact_checkpoint()
-            if self.is_world_process_zero() and not found:
-                logger.info("no complete checkpoint in %s: starting from scratch", self.args.output_dir)
-            checkpoint = str(found) if found else None
-        else:
-            checkpoint = str(requested)
-            if not Path(checkpoint).is_dir():
-                raise CheckpointError(f"--resume_from_checkpoint {checkpoint}: no such folder (give a checkpoint-N "
-                                      "folder, or auto for the newest complete one in --output_dir)")
-            damaged = self._decided_by_main_process(lambda: damage(Path(checkpoint)))
-            if damaged:
-                raise CheckpointError(f"--resume_from_checkpoint {checkpoint}: {damaged}; resume from another checkpoint, "
-                                 "or pass --resume_from_checkpoint auto to take the newest intact one")
-            problem = problem_with(Path(checkpoint))
-            if problem:
-                logger.warning("resuming from %s although %s", checkpoint, problem)
-        if checkpoint:
-            module = self.backend.unwrap(self.accelerator.unwrap_model(self.model))
-            check_compatible(checkpoint, model_fingerprint(module))
-        return checkpoint
-
-    def _newest_intact_checkpoint(self):
-        """The newest complete checkpoint whose files are all as written (sizes and checksums)."""
-        return self._decided_by_main_process(lambda: newest_valid_checkpoint(self.args.output_dir, checksums=True))
-
-    def _decided_by_main_process(self, decide):
-        """`decide()` run once, by the main process (reading a checkpoint's files once, not once per rank), and its
-        answer shared: every rank must resume from the same checkpoint."""
-        answer = decide() if self.args.process_index == 0 else None
-        if self.args.world_size > 1:
-            from accelerate.utils import broadcast_object_list
-
-            answer = broadcast_object_list([answer], from_process=0)[0]
-        return answer
-
-    # -- checkpoints: written aside, published complete --------------------------------------------------
+    # -- checkpoints: written aside, published complete (checkpoint.py) ------------------------------------
     def _get_output_dir(self, trial):
-        return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
+        # The Trainer writes a checkpoint into this folder; ours is a staging folder until the save is complete.
+        staging = self.checkpoints.staging
+        return str(staging) if staging is not None else super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial):
         run_dir = Path(super()._get_output_dir(trial))
-        self._staging = staging_dir(run_dir)
+        self.checkpoints.staging = staging_dir(run_dir)
         try:
             super()._save_checkpoint(model, trial)
         finally:
-            staged, self._staging = self._staging, None
+            staged, self.checkpoints.staging = self.checkpoints.staging, None
         self.accelerator.wait_for_everyone()  # every rank has written its part
         if self.args.should_save:
-            name = f"checkpoint-{self.state.global_step}"
-            if self._train_batch_sampler is not None:
-                state = self._train_batch_sampler.state_dict(self.state.global_step)
-                (staged / name / DATA_STATE).write_text(json.dumps(state, indent=2) + "\n")
+            sampler = self._train_batch_sampler
             module = self.backend.unwrap(self.accelerator.unwrap_model(self.model))
-            info = {"step": self.state.global_step, "world_size": self.args.world_size,
-                    "backend": self.backend.describe(), "model": model_fingerprint(module)}
-            final = publish(staged / name, run_dir, info)
-            best = self.state.best_model_checkpoint
-            if best and Path(best).parent == staged:
-                self.state.best_model_checkpoint = str(final)
-            deleted = rotate(run_dir, self.args.save_total_limit, keep=Path(self.state.best_model_checkpoint)
-                             if self.state.best_model_checkpoint else None)
-            if self.remote is not None:  # in the background: the next step does not wait for the copy
-                self.remote.upload(final)
-                self.remote.delete([path.name for path in deleted])
-            if staged.is_dir() and not any(staged.iterdir()):
-                staged.rmdir()
+            self.checkpoints.publish_staged(
+                staged, run_dir, sampler.state_dict(self.state.global_step) if sampler is not None else None,
+                {"step": self.state.global_step, "world_size": self.args.world_size,
+                 "backend": self.backend.describe(), "model": model_fingerprint(module)})
         self.accelerator.wait_for_everyone()
-
-
-_RELEASE_REGISTERED = []
-_TRAINERS = weakref.WeakSet()  # released before the process group at exit
-
-
-def _release_process_group_at_exit() -> None:
-    """Destroy the process group before interpreter teardown: left alive, its C++ threads can abort a rank that
-    already finished ("terminate called without an active exception", exit -6), failing a finished job."""
-    if _RELEASE_REGISTERED:
-        return
-    import atexit
-
-    def release():
-        # A DDP wrapper or DeepSpeed engine still referenced keeps the group alive past destroy_process_group, to
-        # be torn down mid-interpreter-shutdown: drop the trainers' references first.
-        for trainer in list(_TRAINERS):
-            trainer.model_wrapped, trainer.deepspeed = trainer.model, None
-            trainer.accelerator.free_memory()
-        import gc
-
-        gc.collect()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        remove_own_shm_buffer()
-
-    atexit.register(release)
-    _RELEASE_REGISTERED.append(release)
-
-
-def _means_newest(requested) -> bool:
-    """None, "auto", True, or the command line's "true"/"True": the newest intact checkpoint in output_dir, if any."""
-    return requested is None or requested is True or (isinstance(requested, str) and requested in
-                                                       ("auto", "true", "True"))
 
 
 def _check_class_weights(weights, loss_fn, model) -> None:
@@ -449,42 +317,3 @@ def _check_class_weights(weights, loss_fn, model) -> None:
     if classes is not None and getattr(model.config, "problem_type", None) != "regression" and classes != len(weights):
         raise UserError(f"--class_weights has {len(weights)} values but the model has {classes} classes: give one "
                         "weight per class")
-
-
-def _check_process_group(args) -> None:
-    """A launcher started N ranks but they did not form one group: each would train alone, N times over."""
-    import os
-
-    launched = os.environ.get("WORLD_SIZE", "1")
-    if launched.isdigit() and int(launched) > 1 and args.world_size == 1:
-        raise UserError(f"{launched} ranks were launched but this one trains alone (world size 1): on a machine "
-                           "without a GPU pass --use_cpu, or use trainer_ext.ExtTrainingArguments, which sets it")
-
-
-def _dataloader_with_batch_sampler(trainer, dataset, description, batch_sampler):
-    from functools import partial
-
-    import datasets
-    from torch.utils.data import DataLoader
-    from transformers.trainer_utils import seed_worker
-
-    args = trainer.args
-    collator = trainer.data_collator
-    if isinstance(dataset, datasets.Dataset):
-        dataset = trainer._remove_unused_columns(dataset, description=description)
-    else:
-        collator = trainer._get_collator_with_removed_columns(trainer.data_collator, description=description)
-    params = {"batch_sampler": batch_sampler, "collate_fn": collator, "num_workers": args.dataloader_num_workers,
-              "pin_memory": args.dataloader_pin_memory, "persistent_workers": args.dataloader_persistent_workers,
-              "prefetch_factor": args.dataloader_prefetch_factor}
-    if args.dataloader_num_workers > 0 and args.dataloader_multiprocessing_context:
-        params["multiprocessing_context"] = args.dataloader_multiprocessing_context
-    params["worker_init_fn"] = partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index)
-    return trainer.accelerator.prepare(DataLoader(dataset, **params))
-
-
-def _unshard(dataloader, batch_sampler) -> None:
-    """accelerate wraps every batch sampler to shard it over ranks; ours is already one rank's share."""
-    wrapper = getattr(dataloader, "batch_sampler", None)
-    if wrapper is not None and getattr(wrapper, "batch_sampler", None) is batch_sampler:
-        wrapper.num_processes, wrapper.process_index = 1, 0

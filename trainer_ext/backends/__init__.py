@@ -1,5 +1,49 @@
-"""Training backends: one file each; `select_backend` picks one from the arguments."""
+"""The backend registry: one file per backend, one line here each. The arguments, experiment files, the planner and
+ExtTrainer all loop over it; importing it imports no torch."""
 
-from .base import Backend, select_backend
+from __future__ import annotations
 
-__all__ = ["Backend", "select_backend"]
+from importlib import import_module
+
+from .base import Backend
+
+# In order of precedence when choosing; the last one (no flag) is the default.
+BACKENDS = {
+    "fairscale": (".fairscale", "FairScaleBackend"),
+    "deepspeed": (".deepspeed", "DeepSpeedBackend"),
+    "ddp": (".ddp", "DDPBackend"),
+}
+
+
+def backend_classes() -> list[type[Backend]]:
+    return [getattr(import_module(module, __name__), name) for module, name in BACKENDS.values()]
+
+
+def backend_flags() -> list[str]:
+    """The arguments that choose a backend (`deepspeed`, `sharded_ddp`)."""
+    return [cls.flag for cls in backend_classes() if cls.flag]
+
+
+def backend_class(args) -> type[Backend]:
+    """The backend these arguments select (several selected is a problem `selection_problems` reports)."""
+    classes = backend_classes()
+    return next((cls for cls in classes if cls.selected(args)), next(cls for cls in classes if cls.flag is None))
+
+
+def selection_problems(args) -> list[str]:
+    """Every backend's own flag problems, and more than one backend chosen."""
+    classes = backend_classes()
+    problems = [problem for cls in classes for problem in cls.flag_problems(args)]
+    chosen = [cls for cls in classes if cls.selected(args)]
+    if len(chosen) > 1:
+        problems.append(f"{' and '.join(cls.given_as(args) for cls in chosen)} both choose a backend: give only one "
+                        "of them")
+    return problems
+
+
+def select_backend(args) -> Backend:
+    return backend_class(args)(args)
+
+
+__all__ = ["BACKENDS", "Backend", "backend_class", "backend_classes", "backend_flags", "select_backend",
+           "selection_problems"]

@@ -1,15 +1,53 @@
-"""The Backend interface: what ExtTrainer asks of DDP, DeepSpeed or FairScale, and the registry choosing one."""
+"""The Backend interface: what the arguments, ExtTrainer and the planner ask of DDP, DeepSpeed or FairScale. A backend
+module imports torch and its library only when a method runs, so the registry (backends/__init__.py) and the pure
+planner can read every backend's flag, checks and memory formulas on a machine without them."""
 
 from __future__ import annotations
 
-from importlib import import_module
-
 
 class Backend:
-    """Hooks around transformers' own set-up; the default (DDP through accelerate) needs none of them."""
+    """The default (DDP through accelerate, or one process) needs none of the hooks; a backend overrides what it does
+    differently. Class-level methods run before any trainer exists (argument parsing, `trainer-ext plan`)."""
 
     name = "ddp"
+    flag: str | None = None  # the argument that selects this backend (None: the default when none is selected)
 
+    # -- the arguments (class level: before any trainer exists) ---------------------------------------------------
+    @classmethod
+    def selected(cls, args) -> bool:
+        return bool(cls.flag and getattr(args, cls.flag, None))
+
+    @classmethod
+    def given_as(cls, args) -> str:
+        """The selecting flag as the user typed it, for messages."""
+        return f"--{cls.flag}"
+
+    @classmethod
+    def flag_problems(cls, args) -> list[str]:
+        """Problems with this backend's own flags that no machine could fix, one line each (normalising them in
+        place); ExtTrainingArguments and `trainer-ext ds-config` collect every backend's before raising once."""
+        return []
+
+    @classmethod
+    def prepare_arguments(cls, args) -> None:
+        """Once the flags are valid and this backend is selected, before transformers sets up the device: checks
+        that depend on this machine, and what the backend settles from the flags (written onto `args`)."""
+
+    @classmethod
+    def places_model_on_device(cls, args) -> bool | None:
+        """transformers' `place_model_on_device` hook: False when the backend must receive the model where it was
+        built; None lets transformers decide."""
+        return None
+
+    @classmethod
+    def memory_formulas(cls, mixed: bool) -> list:
+        """The planner's rows (planner.BackendFormula) for the settings this backend runs."""
+        return []
+
+    def __init__(self, args=None):
+        self.args = args
+
+    # -- a trainer's run -------------------------------------------------------------------------------------------
     def check(self, args) -> None:
         """Fail before any work if this backend cannot run with these arguments on this machine."""
 
@@ -53,21 +91,16 @@ class Backend:
         """The rate the coming optimizer step will use, where transformers would read it too late."""
         return None
 
+    # -- what it tells and leaves behind ---------------------------------------------------------------------------
     def describe(self) -> str:
         return self.name
 
+    def settings_lines(self) -> list[str]:
+        """The settings this backend resolved, for the block printed when training starts."""
+        return []
 
-# name -> (module, class); a new backend is one file plus one line here.
-BACKENDS = {
-    "ddp": (".ddp", "DDPBackend"),
-    "deepspeed": (".deepspeed", "DeepSpeedBackend"),
-    "fairscale": (".fairscale", "FairScaleBackend"),
-}
+    def save_settings(self, output_dir) -> None:
+        """Write the resolved settings next to the model (main process, after training)."""
 
-
-def select_backend(args) -> Backend:
-    options = list(getattr(args, "sharded_ddp", None) or [])
-    name = "deepspeed" if getattr(args, "deepspeed", None) else "fairscale" if options else "ddp"
-    module, cls = BACKENDS[name]
-    backend_class = getattr(import_module(module, __package__), cls)
-    return backend_class(options) if name == "fairscale" else backend_class()
+    def teardown(self) -> None:
+        """At exit, after the process group is gone: clean up what this backend leaves on the machine."""

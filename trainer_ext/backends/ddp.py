@@ -5,3 +5,10 @@ from .base import Backend
 
 class DDPBackend(Backend):
     name = "ddp"
+
+    @classmethod
+    def memory_formulas(cls, mixed: bool) -> list:
+        from ..planner import BackendFormula
+
+        # torch AMP (transformers --fp16/--bf16 under DDP) keeps fp32 weights and gradients: 16 bytes either way.
+        return [BackendFormula("ddp", "(no flag)", (4, False), (4, False), (8, False), 1.0, preference=0)]

@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO: transformers' integration runs the engine; we hand it the translator's complete config
-(real world size, real step count, the model's hidden size) and align its scheduler with transformers'."""
+"""DeepSpeed ZeRO: transformers' integration runs the engine; we hand it the translator's complete config (resolved
+when the arguments are parsed, finished with the real step count, world size and hidden size when training starts)
+and align its scheduler and overflow check with transformers'."""
 
 from __future__ import annotations
 
@@ -9,10 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-from transformers import TrainerCallback
-
-from ..deepspeed_config import resolve_deepspeed_config
+from ..deepspeed_config import finish_deepspeed_config, resolve_deepspeed_config
 from .base import Backend
 
 logger = logging.getLogger(__name__)
@@ -25,9 +23,38 @@ MAX_CONSECUTIVE_NONFINITE = 10
 
 class DeepSpeedBackend(Backend):
     name = "deepspeed"
+    flag = "deepspeed"
 
-    def __init__(self):
-        self.resolution = None
+    @classmethod
+    def prepare_arguments(cls, args) -> None:
+        """Phase 1 of the translation, before transformers builds its own DeepSpeed config from `args.deepspeed`."""
+        from ..runtime import cpu_ranks
+
+        prepare_process(args)
+        apply_resolution(args, resolve_deepspeed_config(args, args.deepspeed, final=False, cpu_ranks=cpu_ranks(args)))
+
+    @classmethod
+    def memory_formulas(cls, mixed: bool) -> list:
+        from ..planner import BackendFormula
+
+        # 16-bit params/grads in mixed precision; DeepSpeed keeps an fp32 master partition even in fp32 training, so
+        # its sharded optimizer state is 12 bytes per parameter either way (4 master + 8 for Adam's moments).
+        weight = 2 if mixed else 4
+        return [
+            BackendFormula("zero1", '--deepspeed \'{"zero_optimization": {"stage": 1}}\'', (weight, False),
+                           (weight, False), (12, True), 1.0, preference=10),
+            BackendFormula("zero2", "--deepspeed zero2_minimal", (weight, False), (weight, True), (12, True), 1.0,
+                           preference=20),
+            BackendFormula("zero3", '--deepspeed \'{"zero_optimization": {"stage": 3}}\'', (weight, True),
+                           (weight, True), (12, True), 1.5, preference=50),
+            # The optimizer step runs on the CPU: fp32 gradient partition, master and moments in host memory.
+            BackendFormula("zero2_offload", "--deepspeed zero2_offload", (weight, False), (4, True), (12, True), 1.0,
+                           host_optimizer=True, preference=70, note="optimizer step on the CPU: slowest per step"),
+        ]
+
+    def __init__(self, args=None):
+        super().__init__(args)
+        self.resolution = getattr(args, "deepspeed_resolution", None)  # phase 1, from ExtTrainingArguments
         self.overflow_check = None  # how a ZeRO step detects a non-finite gradient, once the engine exists
 
     def check(self, args) -> None:
@@ -35,43 +62,35 @@ class DeepSpeedBackend(Backend):
 
         if importlib.util.find_spec("deepspeed") is None:
             raise ImportError(f"--deepspeed needs DeepSpeed, which is not installed: {INSTALL}")
+        if self.resolution is not None:
+            return
+        # Stock TrainingArguments: phase 1 runs here, and transformers' config and accelerate's plugin are rebuilt from
+        # its result exactly as transformers rebuilds them itself (Trainer._hp_search_setup).
+        from accelerate.utils import DeepSpeedPlugin
+        from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-        from ..args import cpu_ranks, launch_one_rank_without_launcher
-        from ..cuda_arch import prepare_for_deepspeed
-        from ..leftovers import clear_leftovers
-        from ..options import check_fp16_device
+        from ..runtime import cpu_ranks
 
-        launch_one_rank_without_launcher()  # stock arguments whose device is not set up yet
-        clear_leftovers()  # DeepSpeed loads its optimizer op later, in deepspeed.initialize
-        if not cpu_ranks(args):
-            prepare_for_deepspeed()  # plain TrainingArguments did not: DeepSpeed could not build FusedAdam
-
-        # Plain TrainingArguments never ran our parse-time checks: the file may enable fp16 on a CPU machine.
-        user_config = getattr(args, "deepspeed_user_config", None) or args.deepspeed
-        resolution = resolve_deepspeed_config(args, user_config, final=False, cpu_ranks=cpu_ranks(args))
-        fp16 = resolution.config.get("fp16", {}).get("enabled") is True
-        check_fp16_device(fp16, torch.cuda.is_available(), "fp16" in resolution.effective_flags)
+        prepare_process(args)
+        self.resolution = resolve_deepspeed_config(args, args.deepspeed, world_size=args.world_size, final=False,
+                                                   cpu_ranks=cpu_ranks(args))
+        apply_resolution(args, self.resolution)
+        args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(args.deepspeed)
+        args.hf_deepspeed_config.trainer_config_process(args)
+        args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
 
     def before_prepare(self, trainer, num_training_steps: int, resume_from_checkpoint=None) -> None:
         args = trainer.args
         model = trainer.accelerator.unwrap_model(trainer.model)
         hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
-        # ExtTrainingArguments keeps the file as the user wrote it; plain TrainingArguments keep `deepspeed` as is.
-        user_config = getattr(args, "deepspeed_user_config", None) or args.deepspeed
-        self.resolution = resolve_deepspeed_config(args, user_config, world_size=args.world_size,
-                                                   num_training_steps=num_training_steps, hidden_size=hidden_size,
-                                                   cpu_ranks=args.device.type == "cpu")
-        for flag, value in self.resolution.effective_flags.items():
-            if hasattr(args, flag):
-                setattr(args, flag, value)
+        self.resolution = finish_deepspeed_config(self.resolution, args, args.world_size, num_training_steps,
+                                                  hidden_size)
         if resume_from_checkpoint:
             self._reshard_if_world_size_changed(trainer, Path(resume_from_checkpoint))
+        # In place: accelerate's plugin holds the same dict. Phase 1 already made every field agree with the flags.
         hf_config = trainer.accelerator.state.deepspeed_plugin.hf_ds_config
-        # In place: accelerate's plugin holds the same dict. The translator already checked every field against
-        # the flags; transformers' argument-time checks saw the world size before the process group existed.
         hf_config.config.clear()
         hf_config.config.update(self.resolution.config)
-        hf_config.mismatches = []
         if trainer.is_world_process_zero():
             notes = "".join(f"\n  note: {note}" for note in self.resolution.notes)
             logger.warning("DeepSpeed config (resolved for %d ranks, %d steps):\n%s%s", args.world_size,
@@ -109,8 +128,7 @@ class DeepSpeedBackend(Backend):
         if isinstance(scheduler, (WarmupLR, WarmupCosineLR)) and scheduler.last_batch_iteration == -1:
             scheduler.step()
         self.overflow_check = check_overflow_by_norm(getattr(engine, "optimizer", None))
-        if not any(isinstance(callback, SkippedSteps) for callback in trainer.callback_handler.callbacks):
-            trainer.add_callback(SkippedSteps(trainer))
+        watch_skipped_steps(trainer)
 
     def evaluates_plain_model(self, trainer) -> bool:
         # Below ZeRO-3 every rank holds all parameters, so evaluating before training needs no engine; stock
@@ -124,13 +142,57 @@ class DeepSpeedBackend(Backend):
         engine = trainer.model_wrapped
         return engine.get_lr()[0] if hasattr(engine, "get_lr") else None
 
-    def save_resolved_config(self, output_dir) -> None:
+    def describe(self) -> str:
+        return "deepspeed ZeRO-%s" % (self.resolution.config["zero_optimization"].get("stage") if self.resolution else "?")
+
+    def settings_lines(self) -> list[str]:
+        if self.resolution is None:
+            return []
+        config = self.resolution.config  # the parts of the translated config that decide memory and speed
+        lines = [f"zero_optimization {json.dumps(config.get('zero_optimization', {}))}"]
+        lines += [f"{section} {config[section]['type']} {json.dumps(config[section].get('params', {}))}"
+                  for section in ("optimizer", "scheduler") if section in config]
+        lines += [f"note: {note}" for note in self.resolution.notes]
+        return lines + ([f"overflow check: {self.overflow_check}"] if self.overflow_check else [])
+
+    def save_settings(self, output_dir) -> None:
         if self.resolution is not None:
             path = Path(output_dir) / "ds_config.resolved.json"
             path.write_text(json.dumps(self.resolution.config, indent=2) + "\n")
 
-    def describe(self) -> str:
-        return "deepspeed ZeRO-%s" % (self.resolution.config["zero_optimization"].get("stage") if self.resolution else "?")
+    def teardown(self) -> None:
+        from ..leftovers import remove_own_shm_buffer
+
+        remove_own_shm_buffer()  # DeepSpeed's CPU all-reduce never unlinks its /dev/shm buffer
+
+
+def prepare_process(args) -> None:
+    """What DeepSpeed needs before its first op loads: a 1-rank job's variables when no launcher set them, no stale
+    build locks or shared-memory buffers of killed jobs, and a TORCH_CUDA_ARCH_LIST its op builder can read."""
+    from ..cuda_arch import prepare_for_deepspeed
+    from ..leftovers import clear_leftovers
+    from ..runtime import cpu_ranks, launch_one_rank_without_launcher
+
+    launch_one_rank_without_launcher()
+    clear_leftovers()
+    if not cpu_ranks(args):
+        prepare_for_deepspeed()
+
+
+def apply_resolution(args, resolution) -> None:
+    """The one place the translation reaches the arguments: the flags the file decided (so the sampler, the logs and
+    transformers use the same batch and rates), the complete config as `deepspeed`, the resolution for phase 2. A file
+    that enables fp16 needs CUDA as --fp16 does."""
+    import torch
+
+    from ..args import check_fp16_device
+
+    for flag, value in resolution.effective_flags.items():
+        setattr(args, flag, value)
+    args.deepspeed = resolution.config
+    args.deepspeed_resolution = resolution
+    check_fp16_device(resolution.config.get("fp16", {}).get("enabled") is True, torch.cuda.is_available(),
+                      "fp16" in resolution.effective_flags)
 
 
 def check_overflow_by_norm(optimizer) -> str:
@@ -144,6 +206,8 @@ def check_overflow_by_norm(optimizer) -> str:
     skipped and fp16's loss scale moves the same way. DeepSpeed has no public switch for this (fp16 always scans,
     bf16's check_grad_overflow turns off both tests), so the scan is replaced on this optimizer instance; a test
     fails if DeepSpeed renames check_overflow or stops testing the norm."""
+    import torch
+
     try:
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     except ImportError:
@@ -165,33 +229,41 @@ def check_overflow_by_norm(optimizer) -> str:
     return "gradient norm (a non-finite norm skips the step; no per-parameter scan)"
 
 
-class SkippedSteps(TrainerCallback):
-    """Names each optimizer step DeepSpeed skipped for a non-finite gradient norm under bf16 (under fp16 skips are the
-    loss scale's normal search and DeepSpeed logs them), and stops a bf16 run after MAX_CONSECUTIVE_NONFINITE in a
-    row: the weights are still those of the last good step, and every further step would be skipped too."""
+def watch_skipped_steps(trainer) -> None:
+    """Add (once) the callback that names each optimizer step DeepSpeed skipped for a non-finite gradient norm under
+    bf16 and stops the run after MAX_CONSECUTIVE_NONFINITE in a row (built here: transformers imports torch)."""
+    from transformers import TrainerCallback
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.consecutive = []
+    class SkippedSteps(TrainerCallback):
+        """Under fp16 skips are the loss scale's normal search (DeepSpeed logs them); under bf16 each is named, and
+        after MAX_CONSECUTIVE_NONFINITE in a row every further step would be skipped too: the weights are still those of
+        the last good step."""
 
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        engine = self.trainer.model_wrapped
-        if not args.bf16 or not hasattr(engine, "was_step_applied") or engine.was_step_applied():
+        def __init__(self, trainer):
+            self.trainer = trainer
             self.consecutive = []
-            return
-        step = state.global_step + 1
-        norm = engine.get_global_grad_norm()
-        self.consecutive.append(step)
-        main = self.trainer.is_world_process_zero()
-        if main:
-            logger.warning("step %d skipped: gradient norm %s is not finite (bf16; a gradient holds inf or NaN); "
-                           "weights and optimizer state are unchanged", step, norm)
-        if len(self.consecutive) >= MAX_CONSECUTIVE_NONFINITE:
-            raise NonFiniteGradients(
-                f"steps {self.consecutive[0]}-{step}: the gradient norm was not finite {len(self.consecutive)} times "
-                f"in a row under bf16, so training stopped; the weights are those after step {self.consecutive[0] - 1} "
-                "(finite, not saved again). Lower --learning_rate, raise --warmup_steps or check the data for "
-                "inf/NaN, then resume from the last checkpoint", main)
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            engine = self.trainer.model_wrapped
+            if not args.bf16 or not hasattr(engine, "was_step_applied") or engine.was_step_applied():
+                self.consecutive = []
+                return
+            step = state.global_step + 1
+            norm = engine.get_global_grad_norm()
+            self.consecutive.append(step)
+            main = self.trainer.is_world_process_zero()
+            if main:
+                logger.warning("step %d skipped: gradient norm %s is not finite (bf16; a gradient holds inf or "
+                               "NaN); weights and optimizer state are unchanged", step, norm)
+            if len(self.consecutive) >= MAX_CONSECUTIVE_NONFINITE:
+                raise NonFiniteGradients(
+                    f"steps {self.consecutive[0]}-{step}: the gradient norm was not finite {len(self.consecutive)} "
+                    f"times in a row under bf16, so training stopped; the weights are those after step "
+                    f"{self.consecutive[0] - 1} (finite, not saved again). Lower --learning_rate, raise --warmup_steps "
+                    "or check the data for inf/NaN, then resume from the last checkpoint", main)
+
+    if not any(type(callback).__name__ == "SkippedSteps" for callback in trainer.callback_handler.callbacks):
+        trainer.add_callback(SkippedSteps(trainer))
 
 
 class NonFiniteGradients(SystemExit):

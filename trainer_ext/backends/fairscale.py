@@ -7,28 +7,80 @@ from __future__ import annotations
 import importlib.util
 import logging
 
-import torch
-
+from ..errors import ArgumentsError, closest
 from .base import Backend
 
 logger = logging.getLogger(__name__)
 
 INSTALL = "pip install fairscale==0.4.13 (or pip install 'trainer_ext[fairscale]')"
+OPTIONS = ("simple", "zero_dp_2", "zero_dp_3", "offload")
+# ShardedDataParallel's default reduce_buffer_size (elements): small gradients destined for another rank are reduced
+# through a bucket of this size, which stays allocated (fairscale/nn/data_parallel/sharded_ddp.py).
+SHARDED_DDP_BUCKET = 2 ** 23
 
 
 class FairScaleBackend(Backend):
     name = "fairscale"
+    flag = "sharded_ddp"
 
-    def __init__(self, options: list[str]):
-        self.options = list(options)
-        self.fully_sharded = "zero_dp_2" in options or "zero_dp_3" in options
-        self.offload = "offload" in options
+    @classmethod
+    def given_as(cls, args) -> str:
+        return f"--sharded_ddp {' '.join(args.sharded_ddp)}"
+
+    @classmethod
+    def flag_problems(cls, args) -> list[str]:
+        try:
+            args.sharded_ddp = parse_options(args.sharded_ddp)
+        except ArgumentsError as err:
+            args.sharded_ddp = []
+            return [str(err)]
+        return []
+
+    @classmethod
+    def prepare_arguments(cls, args) -> None:
+        import torch
+
+        check_machine(args.sharded_ddp, torch.cuda.is_available(), bool(args.fp16 or args.bf16))
+
+    @classmethod
+    def places_model_on_device(cls, args) -> bool | None:
+        # FSDP with offload keeps the fp32 shards where it finds the model and asserts they are on the CPU.
+        return False if "offload" in args.sharded_ddp else None
+
+    @classmethod
+    def memory_formulas(cls, mixed: bool) -> list:
+        from ..planner import BackendFormula
+
+        weight = 2 if mixed else 4
+        return [
+            # OSS shards Adam's moments, ShardedDataParallel reduces each gradient to its owner; weights stay fp32.
+            # A rank also keeps one fp32 gradient bucket per other rank between steps.
+            BackendFormula("simple", "--sharded_ddp simple", (4, False), (4, True), (8, True), 1.0, preference=30,
+                           extra=lambda n, world: {"grads": 4 * min(SHARDED_DDP_BUCKET, n / world) * (world - 1)},
+                           note="OSS places whole tensors: a rank's share is 1/N up to the largest tensor; grads "
+                                "include ShardedDDP's buckets for the other ranks, up to min(2^23, Ψ/N) fp32 elements "
+                                "each (the most loaded rank)"),
+            # FullyShardedDataParallel keeps an fp32 shard; without resharding after forward the full (compute-dtype)
+            # parameters stay gathered through backward.
+            BackendFormula("zero_dp_2", "--sharded_ddp zero_dp_2", (4, True), (4, True), (8, True), 1.0,
+                           cuda_only=True, preference=40, extra=lambda n, world: {"params": n * weight},
+                           note=f"params include the full {weight}-byte parameters, gathered through forward and "
+                                "backward"),
+            BackendFormula("zero_dp_3", "--sharded_ddp zero_dp_3", (4, True), (4, True), (8, True), 1.5,
+                           cuda_only=True, preference=60, note="plus one layer's gathered parameters at a time"),
+        ]
+
+    def __init__(self, args=None):
+        super().__init__(args)
+        self.options = list(getattr(args, "sharded_ddp", None) or [])
+        self.fully_sharded = "zero_dp_2" in self.options or "zero_dp_3" in self.options
+        self.offload = "offload" in self.options
 
     def describe(self) -> str:
         return f"fairscale --sharded_ddp {' '.join(self.options)}"
 
     def check(self, args) -> None:
-        """Machine and precision were checked at argument parsing (options.check_sharded_ddp_machine)."""
+        """Machine and precision were checked when the arguments were parsed (check_machine)."""
         if importlib.util.find_spec("fairscale") is None:
             raise ImportError(f"--sharded_ddp {' '.join(self.options)} needs FairScale, which is not installed: "
                               f"{INSTALL}")
@@ -104,15 +156,48 @@ class FairScaleBackend(Backend):
             return None
         return {k: v.cpu() for k, v in trainer.model_wrapped.state_dict().items()}
 
-    def optimizer_state_bytes(self, trainer) -> int:
-        """Bytes of optimizer state (Adam moments) this rank holds."""
-        optimizer = sharded_optimizer(trainer.optimizer)
-        inner = getattr(optimizer, "optim", optimizer)
-        return state_bytes(inner)
+
+def parse_options(value) -> list[str]:
+    """`--sharded_ddp "zero_dp_2 offload"` (or a list) -> ["zero_dp_2", "offload"], with transformers v4 rules."""
+    if value is None or value is False or value == "":
+        return []
+    words = value.split() if isinstance(value, str) else [w for item in value for w in str(item).split()]
+    problems = []
+    for word in words:
+        if word not in OPTIONS:
+            hint = closest(word, OPTIONS)
+            problems.append(f"--sharded_ddp: unknown option {word!r}" + (f", did you mean {hint!r}?" if hint else "")
+                            + f" (valid: {', '.join(OPTIONS)})")
+    if problems:
+        raise ArgumentsError("\n".join(problems))
+    if len(set(words)) != len(words):
+        raise ArgumentsError(f"--sharded_ddp {' '.join(words)!r}: an option is repeated")
+    if "simple" in words and len(words) > 1:
+        raise ArgumentsError(f"--sharded_ddp {' '.join(words)!r}: 'simple' takes no other option; "
+                             "use 'simple' alone, or 'zero_dp_2'/'zero_dp_3' [offload]")
+    if "zero_dp_2" in words and "zero_dp_3" in words:
+        raise ArgumentsError("--sharded_ddp: 'zero_dp_2' and 'zero_dp_3' exclude each other; choose one")
+    if "offload" in words and not ({"zero_dp_2", "zero_dp_3"} & set(words)):
+        raise ArgumentsError("--sharded_ddp offload needs 'zero_dp_2' or 'zero_dp_3' "
+                             "(e.g. --sharded_ddp \"zero_dp_2 offload\")")
+    return words
+
+
+def check_machine(options: list[str], cuda_available: bool, mixed_precision: bool) -> None:
+    """The FullyShardedDataParallel options need CUDA, and FairScale offloads only in mixed precision."""
+    flag = f"--sharded_ddp {' '.join(options)}"
+    if ({"zero_dp_2", "zero_dp_3"} & set(options)) and not cuda_available:
+        raise ArgumentsError(f"{flag}: FairScale's FullyShardedDataParallel needs CUDA and this machine has none; "
+                             "use --sharded_ddp simple (optimizer state sharded, works on CPU)")
+    if "offload" in options and not mixed_precision:
+        raise ArgumentsError(f"{flag}: FairScale offloads parameters to the CPU only in mixed precision (its FP32 "
+                             "master shard lives there); add --fp16 or --bf16")
 
 
 def fsdp_settings(options: list[str], args) -> dict:
     """FullyShardedDataParallel's arguments for these --sharded_ddp options and precision flags."""
+    import torch
+
     mixed = bool(args.fp16 or args.bf16)
     return {"reshard_after_forward": "zero_dp_3" in options, "mixed_precision": mixed,
             "compute_dtype": torch.bfloat16 if args.bf16 else torch.float16 if mixed else torch.float32,
@@ -146,8 +231,3 @@ def grads_in_parameter_dtype(optimizer, args, kwargs) -> None:
 def sharded_optimizer(optimizer):
     """The FairScale optimizer under accelerate's wrapper."""
     return getattr(optimizer, "optimizer", optimizer)
-
-
-def state_bytes(optimizer) -> int:
-    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
-               if torch.is_tensor(t) and t.dim() > 0)

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..options import ArgumentsError
+from ..errors import ArgumentsError
 
 REPO = Path(__file__).resolve().parents[2]  # shipped data lives in a source checkout's data/
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..options import ArgumentsError
+from ..errors import ArgumentsError
 from .common import REPO, ModelArguments, first, load_config, load_tokenizer, shipped_model, train_and_save
 
 logger = logging.getLogger(__name__)

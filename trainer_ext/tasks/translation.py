@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..options import ArgumentsError
+from ..errors import ArgumentsError
 from .common import ModelArguments as CommonModelArguments
 from .common import reading, shipped_model, train_and_save
 

@@ -1,0 +1,182 @@
+"""The tables the translator works from: TrainingArguments defaults and ranges, every key DeepSpeed 0.19 reads or
+removed, where misplaced keys belong, and our measured ZeRO defaults. Pure data; tests compare them with DeepSpeed's
+own config models and with transformers' defaults."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# TrainingArguments defaults of the flags the translator reads; a test checks them against transformers. Arguments
+# with no record of what was typed (stock TrainingArguments, a dict) count a flag as given when it differs from these.
+FLAG_DEFAULTS: dict[str, Any] = {
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 1,
+    "learning_rate": 5e-5,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.999,
+    "adam_epsilon": 1e-8,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "warmup_steps": 0,
+    "lr_scheduler_type": "linear",
+    "max_steps": -1,
+    "fp16": False,
+    "bf16": False,
+    # ExtTrainingArguments' own flags
+    "fp16_backend": "auto",
+    "fp16_opt_level": "O1",
+    "warmup_ratio": 0.0,
+}
+
+# Every top-level key DeepSpeed 0.19 reads (a test records the keys DeepSpeedConfig looks up and checks this).
+KNOWN_TOP_LEVEL_KEYS = frozenset({
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
+    "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "torch_autocast", "gradient_clipping",
+    "prescale_gradients", "gradient_predivide_factor", "gradient_allreduce_op", "zero_optimization",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "activation_checkpointing",
+    "flops_profiler", "wall_clock_breakdown", "memory_breakdown", "dump_state", "tensorboard", "wandb",
+    "csv_monitor", "comet", "comms_logger", "communication_data_type", "seq_parallel_communication_data_type",
+    "aio", "autotuning", "checkpoint", "data_types", "data_efficiency", "dataloader_drop_last",
+    "datastates_ckpt", "disable_allgather", "disable_python_gc", "expert_parallel", "hybrid_engine",
+    "log_level", "managed_gradient_accumulation", "pipeline", "tensor_parallel", "timers",
+    "use_data_before_expert_parallelism", "vocabulary_size", "weight_quantization", "compile",
+    "sequence_parallel_size", "monitor_config", "zero_quantized_weights", "fp32_reduce_scatter",
+})
+
+# Keys DeepSpeed 0.19 removed and rejects; a test checks this list covers DeepSpeed's own.
+REMOVED_TOP_LEVEL_KEYS: dict[str, str] = {
+    "amp": 'NVIDIA Apex AMP was removed from DeepSpeed 0.19; use "fp16": {"enabled": true} (--fp16) or --bf16',
+    "nebula": "Nebula checkpointing was removed from DeepSpeed 0.19; delete the block",
+    "compression_training": "the compression library was removed from DeepSpeed 0.19; delete the block",
+    "quantize_training": "MoQ / quantize_training was removed from DeepSpeed 0.19; delete the block",
+    "sparse_gradients": "sparse_gradients was removed from DeepSpeed 0.19; delete the key",
+    "eigenvalue": "eigenvalue was removed from DeepSpeed 0.19; delete the block",
+    "sparse_attention": "sparse attention was removed from DeepSpeed 0.19; delete the block",
+    "elasticity": "elastic training was removed from DeepSpeed 0.19; set the batch fields (or flags) directly",
+    "graph_harvesting": "graph_harvesting was removed from DeepSpeed 0.19; delete the key",
+    "curriculum_learning": "top-level curriculum_learning was removed; use data_efficiency.data_sampling.curriculum_learning",
+    "progressive_layer_drop": "progressive layer drop was removed from DeepSpeed 0.19; delete the block",
+}
+
+# Fields of DeepSpeed's ZeRO, fp16 and bf16 config models (aliases included); tests compare with DeepSpeed's.
+ZERO_KEYS = frozenset({
+    "allgather_bucket_size", "allgather_partitions", "allgather_sequential", "compute_grad_norm",
+    "contiguous_gradients", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
+    "elastic_checkpoint", "enable_sanity_checks", "gather_16bit_weights_on_model_save",
+    "ignore_unused_parameters", "leaf_module", "legacy_stage1", "load_from_fp32_weights",
+    "log_trace_cache_warnings", "max_live_parameters", "max_reuse_distance", "memory_efficient_linear",
+    "model_persistence_threshold", "module_granularity_threshold", "offload_optimizer", "offload_param",
+    "overlap_comm", "override_module_apply", "param_persistence_threshold", "parameter_alignment",
+    "pipeline_loading_checkpoint", "prefetch_bucket_size", "reduce_bucket_size", "reduce_scatter",
+    "round_robin_gradients", "save_muon_momentum_buffer_in_memory", "stage", "stage3_allgather_sequential",
+    "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_model_persistence_threshold",
+    "stage3_module_granularity_threshold", "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
+    "stage3_use_all_reduce_for_fetch_params", "sub_group_size", "use_all_reduce_for_fetch_params",
+    "use_multi_rank_bucket_allreduce", "zenflow", "zero_hpz_partition_size", "zero_quantized_gradients",
+    "zero_quantized_nontrainable_weights", "zero_quantized_weights",
+})
+FP16_KEYS = frozenset({
+    "enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+    "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads",
+})
+BF16_KEYS = frozenset({
+    "enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+    "bf16_optimizer_states",
+})
+SECTION_KEYS = {"zero_optimization": ZERO_KEYS, "fp16": FP16_KEYS, "bf16": BF16_KEYS}
+
+# Where a key belongs when it is found at the top level (DeepSpeed would silently ignore it there).
+_OPTIMIZER_PARAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+_SCHEDULER_PARAM_KEYS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps",
+                         "warmup_type", "warmup_min_ratio", "cos_min_ratio")
+NESTED_HOME: dict[str, str] = {
+    **{key: "zero_optimization" for key in ZERO_KEYS},
+    **{key: "fp16" for key in FP16_KEYS - {"enabled"}},
+    **{key: "optimizer.params" for key in _OPTIMIZER_PARAM_KEYS},
+    **{key: "scheduler.params" for key in _SCHEDULER_PARAM_KEYS},
+}
+
+DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+# transformers scheduler type -> the DeepSpeed scheduler class of the same shape.
+SCHEDULER_FOR_TYPE = {
+    "linear": "WarmupDecayLR",
+    "constant_with_warmup": "WarmupLR",
+    "constant": "WarmupLR",
+    "cosine": "WarmupCosineLR",
+}
+
+FP16_BLOCK_DEFAULTS = {"loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+# The ZeRO-2 section used when a config has none; "auto" fields are settled by where the ranks run (TUNED_ZERO).
+ZERO2_DEFAULTS = {
+    "stage": 2,
+    "allgather_partitions": True,
+    "allgather_bucket_size": 5e8,
+    "overlap_comm": "auto",
+    "reduce_scatter": "auto",
+    "reduce_bucket_size": 5e8,
+    "contiguous_gradients": "auto",
+}
+# ZeRO-1/2 fields whose best value depends on where the ranks run, measured; filled when a file leaves them out or
+# says "auto" (a value the user wrote is kept). Each entry: (value, why) by "cpu" / "gpu" / "gpus" (several GPU ranks).
+CPU_PROFILE_RUN = "benchmarks/profile_zero2.py, MiniLM, 2 CPU ranks"
+H100_RUN = "BERT-large QA shape, bf16, 1 H100"
+TUNED_ZERO = {
+    "overlap_comm": {
+        "cpu": (False, f"CPU ranks have no side streams to overlap with: steps 9% shorter off ({CPU_PROFILE_RUN})"),
+        "gpu": (False, f"one rank has no gradient traffic to overlap; DeepSpeed's stage-2 default, the measured "
+                       f"1.06x run ({H100_RUN})"),
+        "gpus": (True, "gradient reduction overlaps the backward pass (DeepSpeed's recommended value for several "
+                       "ranks; benchmarks/gpu.py's N-rank rows measure it)"),
+    },
+    "reduce_scatter": {
+        "cpu": (False, f"one all-reduce beats per-rank reduce calls on gloo/shm: 9% shorter steps ({CPU_PROFILE_RUN})"),
+        "gpu": (True, "DeepSpeed's default"),
+        "gpus": (True, "DeepSpeed's default"),
+    },
+    "contiguous_gradients": {
+        "cpu": (False, f"no copy of each gradient into a bucket buffer: 1.137 vs 1.164 s/step, same losses "
+                       f"({CPU_PROFILE_RUN})"),
+        "gpu": (False, f"no copy of each gradient into a bucket buffer, no reduce_bucket_size buffer held: 0.084 vs "
+                       f"0.110 s/step ({H100_RUN})"),
+        "gpus": (False, f"no copy of each gradient into a bucket buffer, no reduce_bucket_size buffer held: 0.084 vs "
+                        f"0.110 s/step ({H100_RUN})"),
+    },
+}
+# Values DeepSpeed itself uses for zero fields given as "auto" when no model is at hand.
+ZERO_AUTO_FALLBACK = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
+HIDDEN_SIZE_AUTO = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+# Values transformers accepts at parse time and fails on later (a ZeroDivisionError at the first batch, torch's
+# "Invalid learning rate" once the model is loaded): flag -> (test, what the value must be).
+FLAG_RANGES = {
+    **dict.fromkeys(("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"),
+                    (lambda value: value >= 1, "must be a positive integer")),
+    **dict.fromkeys(("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon"),
+                    (lambda value: value >= 0, "must be >= 0")),
+    **dict.fromkeys(("adam_beta1", "adam_beta2"), (lambda value: 0 <= value < 1, "must be in [0, 1)")),
+}
+
+
+def out_of_range(flag: str, value) -> str | None:
+    """What a value of --flag must be, when this one is not (a DeepSpeed file's value as well as a typed one)."""
+    if flag not in FLAG_RANGES:
+        return None
+    holds, requirement = FLAG_RANGES[flag]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"must be a number and {requirement.removeprefix('must be ')}"
+    return None if holds(value) else requirement
+
+
+# Keys whose values are names, never numbers: their strings are left alone.
+STRING_KEYS = frozenset({"type", "device", "nvme_path", "output_path", "job_name", "tag", "name", "project",
+                          "team", "group", "log_level", "communication_data_type", "grad_accum_dtype",
+                          "warmup_type", "backend"})
+NUMBER_TEXT = re.compile(r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$")
+INTEGER_TEXT = re.compile(r"^\s*[+-]?\d+\s*$")
+AUTO = "auto"

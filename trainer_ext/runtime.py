@@ -1,0 +1,145 @@
+"""The process this run lives in: what the launcher started (ranks, cores, devices), the variables a job started
+without a launcher needs, and the process group's check and release at exit. Imports torch only when called, so the
+pure translator can read the launcher's facts."""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+
+from .errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+def world_size_from_environment() -> int | None:
+    """Ranks the launcher (torchrun, torch.distributed.launch, deepspeed) started, from WORLD_SIZE; None if unset."""
+    value = os.environ.get("WORLD_SIZE", "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def launched_world_size() -> int:
+    """Ranks the launcher started (1 without one)."""
+    return world_size_from_environment() or 1
+
+
+def local_ranks() -> int:
+    """Ranks started on this machine: torchrun's LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        value = os.environ.get(key, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def share_cores_between_cpu_ranks() -> int | None:
+    """torchrun and torch.distributed.launch give each of several ranks OMP_NUM_THREADS=1; the deepspeed launcher
+    sets nothing, so each CPU rank starts one thread per core and N ranks ask for N times the machine. Give each rank
+    its share of the cores, as torchrun would, unless the user chose a number (on 2 cores and MiniLM the stock
+    Trainer measured the same either way: benchmarks/results/backends.md). Returns the threads set, or None."""
+    ranks = local_ranks()
+    if "OMP_NUM_THREADS" in os.environ or ranks < 2:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // ranks)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes this one starts
+    import torch
+
+    torch.set_num_threads(threads)
+    logger.info("%d CPU ranks on %d cores and OMP_NUM_THREADS unset: %d threads per rank (set OMP_NUM_THREADS to "
+                "choose)", ranks, cores, threads)
+    return threads
+
+
+def launch_one_rank_without_launcher() -> bool:
+    """`python script.py --deepspeed ...` with no launcher: give this process the variables the deepspeed launcher (or
+    accelerate launch) would give a 1-rank job. Without them DeepSpeed looks for MPI and dies importing mpi4py.
+    Returns True when it set them."""
+    if any(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return False
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                      MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
+    return True
+
+
+def accelerator_available() -> bool:
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
+def quiet_deepspeed_on_cpu_machines() -> None:
+    """accelerate imports DeepSpeed whenever it is installed (even for runs that do not use it), and DeepSpeed then
+    warns "Setting accelerator to CPU ... we were unable to detect it" on every machine without a GPU: a warning that
+    needs no action. DS_ACCELERATOR=cpu is DeepSpeed's own override for the choice it would make anyway, unwarned."""
+    if "DS_ACCELERATOR" not in os.environ and not accelerator_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def prepare_cpu_ranks(args) -> None:
+    """Ranks launched on a machine without a GPU form one gloo group (--use_cpu), each with its share of the cores and
+    no pinned memory (nothing to pin for; torch would warn on every dataloader)."""
+    launched = launched_world_size()
+    if launched > 1 and not args.use_cpu and not accelerator_available():
+        # Without it transformers 5 leaves each CPU rank on its own: N independent runs, no error.
+        logger.warning("%d ranks launched and no GPU: setting --use_cpu so the ranks form one gloo process group",
+                       launched)
+        args.use_cpu = True
+    if cpu_ranks(args):
+        share_cores_between_cpu_ranks()
+        if not accelerator_available():
+            args.dataloader_pin_memory = False
+
+
+def cpu_ranks(args) -> bool:
+    """Whether these arguments train on CPUs (before the device exists): --use_cpu, or no accelerator at all."""
+    return bool(getattr(args, "use_cpu", False)) or not accelerator_available()
+
+
+_TRAINERS = weakref.WeakSet()  # released before the process group at exit
+
+
+def release_at_exit(trainer) -> None:
+    """Destroy the process group before interpreter teardown, then let each trainer's backend clean up after itself:
+    left alive, the group's C++ threads can abort a rank that already finished ("terminate called without an active
+    exception", exit -6), failing a finished job."""
+    if not _TRAINERS:
+        import atexit
+
+        atexit.register(_release)
+    _TRAINERS.add(trainer)
+
+
+def _release() -> None:
+    import gc
+
+    import torch
+
+    # A DDP wrapper or DeepSpeed engine still referenced keeps the group alive past destroy_process_group, to be torn
+    # down mid-interpreter-shutdown: drop the trainers' references first.
+    backends = []
+    for trainer in list(_TRAINERS):
+        trainer.model_wrapped, trainer.deepspeed = trainer.model, None
+        trainer.accelerator.free_memory()
+        backends.append(trainer.backend)
+    gc.collect()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    for backend in backends:
+        backend.teardown()
+
+
+def check_process_group(args) -> None:
+    """A launcher started N ranks but they did not form one group: each would train alone, N times over."""
+    launched = launched_world_size()
+    if launched > 1 and args.world_size == 1:
+        raise UserError(f"{launched} ranks were launched but this one trains alone (world size 1): on a machine "
+                        "without a GPU pass --use_cpu, or use trainer_ext.ExtTrainingArguments, which sets it")
