@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainer_ext-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo clean gpu-setup gpu-test gpu-bench gpu-check
+.PHONY: setup test test-fast demo clean gpu-setup gpu-test gpu-bench gpu-check
 
 setup: $(STAMP)
 
@@ -20,6 +20,11 @@ $(STAMP): $(PY) setup.py
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# The unit subset (no process started, no model package, no GPU): under a minute; the markers are in pytest.ini and
+# tests/conftest.py fails a test that starts a process without being marked `launch`.
+test-fast: setup
+	$(PY) -m pytest tests -m "not launch and not cuda" $(PYTEST_ARGS)
 
 # The main job: fine-tune the pretrained MiniLM with DeepSpeed ZeRO-2 on 2 ranks (CPU ranks if no GPU).
 DEMO_OUT ?= output/demo

@@ -37,7 +37,7 @@ def pytest_sessionstart(session):
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     clear_stale_build_locks(min_age_s=0)
-    if importlib.util.find_spec("deepspeed") is None:
+    if importlib.util.find_spec("deepspeed") is None or "not launch" in session.config.getoption("markexpr", ""):
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     say = reporter.write_line if reporter else print
@@ -57,6 +57,34 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_MARKED: dict[str, set[str]] = {"launch": set(), "model_package": set(), "deepspeed": set()}  # marker -> node ids
+_EXAMPLES = {"run_glue.py", "run_qa.py", "run_translation.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for marker, nodeids in _MARKED.items():
+        nodeids.update(item.nodeid for item in items if item.get_closest_marker(marker))
+
+
+def _check_markers(args: list[str]) -> None:
+    """The markers select subsets (`make test-fast`: no `launch`; a GPU machine with only the repository: no
+    `model_package`), so they must be true: a test (or the fixture it asked for) that starts a process, trains the
+    pretrained MiniLM or launches DeepSpeed without its marker fails here, before the process starts."""
+    current = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    if not current:
+        return
+    names = {Path(arg).name for arg in args}
+    needs = {"launch"}
+    if "--model_name_or_path" not in args and (names & _EXAMPLES or "train" in args and any(a.endswith(".yaml")
+                                                                                           for a in args)):
+        needs.add("model_package")
+    if "deepspeed" in names or "deepspeed.launcher.runner" in args or "--deepspeed" in args and "ds-config" not in args:
+        needs.add("deepspeed")
+    missing = sorted(marker for marker in needs if current not in _MARKED[marker])
+    assert not missing, f"{current} starts {' '.join(args[:3])} ...: mark it " + " ".join(
+        f"@pytest.mark.{marker}" for marker in missing)
+
+
 def run(cmd, timeout=600, env=None, cwd=REPO):
     """Run a real process in its own process group; return CompletedProcess with text output. On timeout the
     whole group is killed: a launcher's ranks must not live on (holding ports, DeepSpeed's op-build lock)."""
@@ -65,6 +93,7 @@ def run(cmd, timeout=600, env=None, cwd=REPO):
     full_env = clean_env()
     full_env.update(PYTHONUNBUFFERED="1", **(env or {}))
     args = [str(c) for c in cmd]
+    _check_markers(args)
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                                cwd=cwd, start_new_session=True)
     try:

@@ -10,6 +10,8 @@ import pytest
 
 from conftest import launch
 
+pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
+
 FLAGS = ["--do_train", "--do_eval", "--max_eval_samples", 32, "--max_steps", 6, "--save_steps", 3,
          "--save_total_limit", 2, "--per_device_train_batch_size", 8]
 REWRITTEN = {"eval_results.json", "all_results.json"}  # the evaluation asked for runs again
@@ -20,6 +22,7 @@ def contents(output_dir):
             for path in sorted(output_dir.rglob("*")) if path.is_file() and path.name not in REWRITTEN}
 
 
+@pytest.mark.model_package
 @pytest.mark.parametrize("kind,flags", [("single", []), ("deepspeed", ["--deepspeed", "zero2_minimal"])])
 def test_rerun_of_a_finished_command_trains_nothing(tmp_path, kind, flags):
     """Stock transformers trains step 7, writes checkpoint-7, rotates checkpoint-3 away and overwrites the metrics."""
@@ -38,6 +41,7 @@ def test_rerun_of_a_finished_command_trains_nothing(tmp_path, kind, flags):
     assert eval_after["eval_accuracy"] == eval_before["eval_accuracy"]
 
 
+@pytest.mark.model_package
 def test_rerun_finds_the_finished_run_at_the_checkpoint_uri(tmp_path):
     """output_dir lost (a new machine): the finished checkpoint is downloaded, nothing trains, nothing is uploaded."""
     remote = tmp_path / "remote"

@@ -79,6 +79,8 @@ def test_a_parse_that_passes_every_field_keeps_the_differs_from_default_rule(tmp
     assert ExtTrainingArguments(output_dir=str(tmp_path)).flags_given == {"output_dir"}
 
 
+@pytest.mark.deepspeed
+@pytest.mark.launch
 @pytest.mark.parametrize("argv,message", [
     (["--sharded_ddp", "simple", "zero_dp_2"], "--sharded_ddp"),
     (["--sharded_ddp", "zero_dp_3", "--deepspeed", "zero2"], "--deepspeed"),
@@ -95,6 +97,8 @@ def test_bad_flags_fail_at_parsing_with_exit_2(tmp_path, argv, message):
     assert "ARGS" not in out.stdout
 
 
+@pytest.mark.deepspeed
+@pytest.mark.launch
 def test_classic_config_values_reach_the_arguments(tmp_path):
     """The classic file's lr, betas, weight decay and warmup must reach the arguments (fp16 made "auto" on CPU)."""
     classic = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
@@ -112,6 +116,8 @@ def test_classic_config_values_reach_the_arguments(tmp_path):
     assert args["deepspeed"]["train_batch_size"] == 3
 
 
+@pytest.mark.launch
+@pytest.mark.deepspeed
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the machine without CUDA")
 @pytest.mark.parametrize("argv,extra", [(["--fp16"], None),
                                         (["--deepspeed", "zero2"], "the DeepSpeed file's fp16.enabled")])
@@ -124,6 +130,7 @@ def test_fp16_without_cuda_fails_before_work_suggesting_bf16(tmp_path, argv, ext
         assert extra in out.stderr
 
 
+@pytest.mark.launch
 def test_torch_distributed_launch_passes_local_rank(tmp_path):
     """The classic launcher passes --local-rank=N; a parser that rejects it breaks every v4 command."""
     out = run([PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port", free_port(),
@@ -134,6 +141,7 @@ def test_torch_distributed_launch_passes_local_rank(tmp_path):
     assert all(ranks[r]["world_size"] == 2 and ranks[r]["sharded_ddp"] == ["simple"] for r in (0, 1))
 
 
+@pytest.mark.launch
 def test_torchrun_forms_one_group_on_cpu(tmp_path):
     """Stock transformers leaves each CPU rank alone under torchrun: N independent runs, silently."""
     out = run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), SCRIPT,
@@ -144,6 +152,8 @@ def test_torchrun_forms_one_group_on_cpu(tmp_path):
     assert all(ranks[r]["threads"] == 1 for r in (0, 1))  # torchrun's OMP_NUM_THREADS=1, left as it is
 
 
+@pytest.mark.deepspeed
+@pytest.mark.launch
 def test_deepspeed_launcher_local_rank_and_batch_fields(tmp_path):
     """The deepspeed launcher passes --local_rank=N; the batch fields must use its world size."""
     out = run([BIN / "deepspeed", "--num_gpus", "2", "--master_port", free_port(), SCRIPT,

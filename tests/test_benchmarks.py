@@ -90,6 +90,7 @@ def test_gpu_benchmark_keeps_its_time_budget(tmp_path):
     assert text.count("not run: --budget_minutes 0 reached") == 7  # 3 plain rows in bf16, 2 in fp16, simple in both
 
 
+@pytest.mark.launch
 def test_gpu_benchmark_runs_and_reports_a_failing_row(tmp_path):
     """The script itself, end to end on CPU ranks with a tiny model: rows that train are measured, a row that cannot
     run here (FSDP needs CUDA) is reported with the rank's own error line, and the tables and figure are written."""

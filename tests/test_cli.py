@@ -9,6 +9,7 @@ from conftest import BIN, run
 CLI = BIN / "trainer-ext"
 
 
+@pytest.mark.launch
 def test_prints_complete_config_for_target_cluster():
     out = run([CLI, "ds-config", "--deepspeed", "ds_configs/zero2.json", "--world_size", "8",
                "--num_training_steps", "1000", "--per_device_train_batch_size", "4"])
@@ -18,6 +19,7 @@ def test_prints_complete_config_for_target_cluster():
     assert "auto" not in out.stdout
 
 
+@pytest.mark.launch
 def test_fp16_renders_on_a_cpu_only_machine():
     """Rendering for a GPU cluster from a CPU login node must not need the cluster's devices."""
     out = run([CLI, "ds-config", "--deepspeed", "zero2_minimal", "--fp16", "--world_size", "16",
@@ -28,6 +30,7 @@ def test_fp16_renders_on_a_cpu_only_machine():
     assert config["scheduler"]["params"]["warmup_num_steps"] == 500
 
 
+@pytest.mark.launch
 def test_explain_names_the_source_of_each_field():
     out = run([CLI, "ds-config", "--deepspeed", "zero2", "--bf16", "--world_size", "2", "--num_training_steps", "10",
                "--explain"])
@@ -44,6 +47,7 @@ def test_explain_names_the_source_of_each_field():
     assert "--learning_rate 3e-05" in out.stdout  # flags taken from the file
 
 
+@pytest.mark.launch
 def test_bad_input_exits_2_with_message_on_stderr(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"zero_optimization": {"stage": 2}')
@@ -62,6 +66,7 @@ def test_bad_input_exits_2_with_message_on_stderr(tmp_path):
         assert out.stdout == ""
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("argv,expected", [
     (["--world_size", "0"], "--world_size 0: must be at least 1"),
     (["--world_size", "-3"], "--world_size -3: must be at least 1"),
@@ -74,6 +79,7 @@ def test_flags_training_refuses_are_refused(argv, expected):
     assert expected in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.launch
 def test_every_refused_flag_is_one_line():
     """One problem per run would cost a relaunch per flag."""
     out = run([CLI, "ds-config", "--deepspeed", "zero2_minimal", "--world_size", "0", "--learning_rate", "-1",
@@ -84,6 +90,7 @@ def test_every_refused_flag_is_one_line():
         assert len([line for line in lines if expected in line]) == 1, out.stderr
 
 
+@pytest.mark.launch
 def test_a_flag_typed_at_its_default_conflicts_with_the_file():
     """ds-config must render what training would run: a typed --learning_rate 5e-5 is not the file's 3e-5."""
     out = run([CLI, "ds-config", "--deepspeed", "zero2", "--learning_rate", "5e-5", "--world_size", "2",
@@ -92,6 +99,7 @@ def test_a_flag_typed_at_its_default_conflicts_with_the_file():
     assert "optimizer.params.lr=3e-05 in the file disagrees with --learning_rate 5e-05" in out.stderr
 
 
+@pytest.mark.launch
 def test_unknown_command_suggests_the_closest():
     out = run([CLI, "ds-conifg"])
     assert out.returncode == 2 and "ds-config" in out.stderr

@@ -14,6 +14,8 @@ import torch
 
 from conftest import TINY_TRAIN, launch, logged, requires_cuda
 
+pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
+
 RANKS = max(1, min(2, torch.cuda.device_count())) if torch.cuda.is_available() else 1
 COMMON = ["--max_steps", 8, "--per_device_train_batch_size", 16 // RANKS, "--learning_rate", "1e-3",
           "--max_grad_norm", "1.0", "--save_strategy", "no"]

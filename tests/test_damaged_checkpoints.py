@@ -11,6 +11,8 @@ import pytest
 from conftest import BIN, PYTHON, TINY_TRAIN, free_port, max_weight_difference, run
 from trainer_ext.checkpoint import newest_valid_checkpoint
 
+pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
+
 LAUNCHERS = {
     "single": lambda: [PYTHON],
     "ddp": lambda: [BIN / "torchrun", "--nproc_per_node", 2, "--master_port", free_port()],

@@ -193,6 +193,8 @@ def cache_files(cache):
     return {p: p.stat().st_mtime_ns for p in Path(cache).rglob("cache-*.arrow")}
 
 
+@pytest.mark.model_package
+@pytest.mark.launch
 def test_a_second_run_reuses_the_tokenized_cache(tmp_path):
     """datasets.map must fingerprint the tokenizer function: a second run tokenizes nothing again."""
     path = small_experiment(tmp_path)
@@ -208,6 +210,9 @@ def test_a_second_run_reuses_the_tokenized_cache(tmp_path):
     assert metrics["train_samples"] == 64
 
 
+@pytest.mark.model_package
+@pytest.mark.deepspeed
+@pytest.mark.launch
 @pytest.mark.parametrize("launcher", ["deepspeed", "launch"])
 def test_an_experiment_trains_on_two_ranks(tmp_path, launcher):
     """The same file under `deepspeed --module` (ZeRO-2) and `torch.distributed.launch -m` (sharded DDP); the flag
@@ -226,6 +231,8 @@ def test_an_experiment_trains_on_two_ranks(tmp_path, launcher):
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
+@pytest.mark.model_package
+@pytest.mark.launch
 def test_a_broken_experiment_exits_2_and_trains_nothing(tmp_path):
     """Bad keys, values and flags: exit 2 with one line each and no traceback, before anything is built."""
     values = shipped("classification")
@@ -249,6 +256,8 @@ def test_a_broken_experiment_exits_2_and_trains_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.model_package
+@pytest.mark.launch
 def test_a_copied_experiment_trains_from_another_folder_with_flags(tmp_path):
     """Paths in the file follow the file, flags override it and their paths follow the current directory."""
     import torch

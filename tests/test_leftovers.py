@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import REPO, launch
 from trainer_ext.leftovers import clear_stale_build_locks
 
@@ -37,6 +39,9 @@ def test_only_old_unheld_locks_are_removed(tmp_path):
     assert clear_stale_build_locks([tmp_path]) == [held]  # its holder is gone now
 
 
+@pytest.mark.model_package
+@pytest.mark.deepspeed
+@pytest.mark.launch
 def test_a_deepspeed_run_proceeds_past_a_stale_lock(tmp_path):
     """Without the clean-up, DeepSpeed waits forever on a lock a killed run left in its op folders."""
     built = tmp_path / "torch_extensions"

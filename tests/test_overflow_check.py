@@ -105,6 +105,8 @@ def deepspeed_tiny(output_dir, *flags, nonfinite):
                env={"TINY_TRAIN_NONFINITE_STEPS": nonfinite})
 
 
+@pytest.mark.deepspeed
+@pytest.mark.launch
 def test_nonfinite_bf16_step_is_skipped_and_named_on_2_ranks(tmp_path):
     """2 ranks, bf16: step 3's gradients are inf; step 3 is named with its norm, checkpoint-3 equals checkpoint-2
     (weights, fp32 masters, Adam moments on both ranks), and training goes on to finite weights."""
@@ -131,6 +133,8 @@ def test_nonfinite_bf16_step_is_skipped_and_named_on_2_ranks(tmp_path):
     assert not torch.equal(final["classifier.weight"], second["classifier.weight"])  # steps 4 and 5 trained
 
 
+@pytest.mark.deepspeed
+@pytest.mark.launch
 def test_bf16_run_stops_after_10_nonfinite_steps_in_a_row(tmp_path):
     """Every step from 3 on is non-finite: the run stops after step 12 with one message and exit status 1,
     no traceback, and the last checkpoint (step 2) is intact."""

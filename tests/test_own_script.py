@@ -3,7 +3,10 @@ launchers, with the classic published DeepSpeed config pasted as it is."""
 
 import json
 
+import pytest
 from conftest import BIN, PYTHON, REPO, free_port, run
+
+pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
 
 SCRIPT = REPO / "tests" / "scripts" / "own_script.py"
 FLAGS = ["--max_steps", 6, "--logging_steps", 1, "--report_to", "none", "--save_strategy", "no",

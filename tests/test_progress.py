@@ -5,6 +5,8 @@ import pytest
 
 from conftest import launch
 
+pytestmark = [pytest.mark.launch, pytest.mark.model_package]
+
 STEPS = 4
 
 
@@ -17,6 +19,7 @@ def zero2_run(tmp_path_factory):
     return root, out.stdout + out.stderr
 
 
+@pytest.mark.deepspeed
 def test_progress_bar_with_samples_per_second_on_main_process_only(zero2_run):
     """Each rank would draw its own bar (N interleaved bars), or the bar would lack samples/s."""
     _, output = zero2_run

@@ -205,6 +205,8 @@ def test_perfect_logits_score_100_on_the_shipped_set(tokenizer, tmp_path, name, 
     assert ("no_answer_exact_match" in metrics) == v2
 
 
+@pytest.mark.model_package
+@pytest.mark.launch
 def test_bad_data_arguments_are_named_before_anything_loads(tmp_path):
     """A missing file or an impossible stride would fail late, or without naming the flag and the fix."""
     with pytest.raises(ArgumentsError) as error:
@@ -251,6 +253,8 @@ def single_trained(tmp_path_factory):
     return root / "out", out
 
 
+@pytest.mark.model_package
+@pytest.mark.launch
 def test_single_process_trains_and_reports_em_f1(single_trained):
     """One-process fine-tuning would not run end to end, report EM/F1, or write the model and predictions."""
     output_dir, out = single_trained
@@ -262,6 +266,7 @@ def test_single_process_trains_and_reports_em_f1(single_trained):
     assert (output_dir / "model.safetensors").is_file() and (output_dir / "tokenizer.json").is_file()
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("launcher, backend", [("deepspeed", ["--deepspeed", "zero2_minimal"]),
                                                ("launch", ["--sharded_ddp", "simple"])])
 def test_two_ranks_evaluate_exactly_like_one_process(single_trained, tmp_path, launcher, backend):
@@ -279,6 +284,8 @@ def test_two_ranks_evaluate_exactly_like_one_process(single_trained, tmp_path, l
     assert np.isfinite(after["eval_loss"]) and json.loads((tmp_path / "out" / "train_results.json").read_text())
 
 
+@pytest.mark.model_package
+@pytest.mark.launch
 def test_second_identical_run_reuses_the_tokenized_cache(tmp_path):
     """Feature preparation would re-run every time (unstable datasets.map fingerprint: closures, lambdas)."""
     cache = tmp_path / "cache"

@@ -12,6 +12,8 @@ from conftest import BIN, free_port, loaded, max_weight_difference, train
 
 from trainer_ext.checkpoint import MARKER
 
+pytestmark = [pytest.mark.launch]
+
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 

@@ -7,6 +7,8 @@ import pytest
 
 from conftest import loaded, train
 
+pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
+
 
 def global_steps(record_dir, batch_size, ranks):
     """Sorted samples of each optimizer step, all ranks together (accumulation 1: one micro-batch per step)."""

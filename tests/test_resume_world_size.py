@@ -3,7 +3,10 @@ re-partitioned (DeepSpeed's universal format), and with the same global batch co
 
 import shutil
 
+import pytest
 from conftest import ACCUMULATE, launch, logged, max_weight_difference
+
+pytestmark = [pytest.mark.launch, pytest.mark.deepspeed, pytest.mark.model_package]
 
 ZERO2 = ["--deepspeed", "zero2_minimal"]
 

@@ -13,6 +13,8 @@ from conftest import (ACCUMULATE, PLAIN, PYTHON, REPO, STEPS, TINY_TRAIN, assert
 from trainer_ext.backends.fairscale import check_machine as check_sharded_ddp_machine
 from trainer_ext.errors import ArgumentsError
 
+pytestmark = [pytest.mark.launch, pytest.mark.model_package]
+
 SCRIPT = REPO / "tests" / "scripts" / "parse_args.py"
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from conftest import BIN, PYTHON, TINY_TRAIN, free_port, run
 
+pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
+
 # 12 steps of 16 samples (2 accumulated micro-batches); logging every 5 steps leaves steps 11-12 unlogged.
 COMMON = ["--max_steps", 12, "--gradient_accumulation_steps", 2, "--learning_rate", "1e-3", "--report_to", "none",
           "--save_strategy", "no", "--disable_tqdm", "true", "--seed", 3]

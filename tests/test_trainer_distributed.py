@@ -12,6 +12,8 @@ import pytest
 from conftest import (ACCUMULATE, BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, assert_same_training,
                       clean_env, free_port, launch, logged, max_weight_difference)
 
+pytestmark = [pytest.mark.launch, pytest.mark.deepspeed, pytest.mark.model_package]
+
 @pytest.mark.parametrize("backend", ["ddp", "zero2"])
 def test_same_loss_curve_and_weights_as_one_process(plain_runs, backend):
     """DDP and ZeRO-2 on the same global batch must be the same training as one process (fp32, no dropout)."""

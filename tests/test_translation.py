@@ -77,6 +77,8 @@ def test_bleu_metric_matches_sacrebleu():
     assert metrics["bleu"] == pytest.approx(expected, abs=1e-9)
 
 
+@pytest.mark.model_package
+@pytest.mark.launch
 def test_single_process_generates_and_scores(runs):
     """If this fails, one-process training or generation during evaluation (--predict_with_generate) is broken."""
     single = runs / "single"
@@ -87,6 +89,7 @@ def test_single_process_generates_and_scores(runs):
     assert (single / "model.safetensors").is_file() and (single / "tokenizer.json").is_file()
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("backend", ["zero2", "sharded"])
 def test_two_ranks_generate_what_one_process_generates(runs, backend):
     """If this fails, generation on 2 ranks (DeepSpeed ZeRO-2 or sharded DDP) returns predictions out of dataset
@@ -111,6 +114,7 @@ def cache_files(cache):
     return {p: p.stat().st_mtime_ns for p in Path(cache).rglob("cache-*.arrow")}
 
 
+@pytest.mark.launch
 def test_config_builds_small_model_and_second_run_reuses_tokenization(tmp_path):
     """If this fails, a config-named model does not build with the shipped tokenizer, or tokenization is not
     fingerprinted stably (every run tokenizes again instead of reading the datasets cache)."""
@@ -128,6 +132,8 @@ def test_config_builds_small_model_and_second_run_reuses_tokenization(tmp_path):
     assert len(generated(tmp_path / "first", "generated_eval.txt")) == EVAL_SAMPLES
 
 
+@pytest.mark.model_package
+@pytest.mark.launch
 def test_missing_data_file_is_named(tmp_path):
     """If this fails, a missing data file surfaces as a datasets traceback (or later), not as a message naming it."""
     missing = tmp_path / "nowhere" / "train.jsonl"

@@ -10,6 +10,8 @@ import pytest
 
 from conftest import PYTHON, REPO, TINY_TRAIN, free_port, run
 
+pytestmark = [pytest.mark.launch, pytest.mark.deepspeed, pytest.mark.model_package]
+
 GLUE = REPO / "examples" / "run_glue.py"
 OWN = REPO / "tests" / "scripts" / "own_script.py"
 FAST = ["--max_steps", 2, "--max_train_samples", 32, "--max_seq_length", 32, "--report_to", "none"]
