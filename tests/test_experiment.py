@@ -18,6 +18,7 @@ def shipped(name):
     return yaml.safe_load((REPO / "experiments" / f"{name}.yaml").read_text())
 
 
+@pytest.mark.oldest
 def test_every_shipped_experiment_validates_and_every_task_has_one():
     """A shipped example that no longer validates (renamed flag, moved data) would fail users on first try."""
     assert {path.stem for path in SHIPPED} >= set(TASKS)
@@ -133,6 +134,7 @@ def test_a_broken_experiment_exits_2_and_trains_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.oldest
 def test_data_from_a_local_dataset_folder(tmp_path):
     """data.dataset_name: datasets.load_dataset on a folder of split files, instead of naming each file."""
     import shutil
