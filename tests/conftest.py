@@ -51,6 +51,19 @@ def pytest_sessionstart(session):
         f"building DeepSpeed's ops failed (the DeepSpeed tests will show why):\n{built.stderr[-2000:]}")
 
 
+def pytest_report_header(config):
+    """The versions under test: `make test` runs the newest, `make test-oldest` the lowest setup.py admits."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ("torch", "transformers", "accelerate", "datasets", "deepspeed", "fairscale"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            found.append(f"{name} absent")
+    return "versions: " + ", ".join(found)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -35,6 +35,7 @@ def copied_experiment(tmp_path, values, name="copy"):
     return path
 
 
+@pytest.mark.oldest
 def test_every_shipped_experiment_validates_and_every_task_has_one():
     """A shipped example that no longer validates (renamed flag, moved data) would fail users on first try."""
     assert {path.stem for path in SHIPPED} >= set(TASKS)
@@ -287,6 +288,7 @@ def test_a_copied_experiment_trains_from_another_folder_with_flags(tmp_path):
     assert not (project / "output").exists()  # the file's output_dir, overridden
 
 
+@pytest.mark.oldest
 def test_data_from_a_local_dataset_folder(tmp_path):
     """data.dataset_name: datasets.load_dataset on a folder of split files, instead of naming each file."""
     import shutil

@@ -52,6 +52,7 @@ def remote_names(client, prefix):
     return sorted(item["Key"][len(prefix):] for item in listing.get("Contents", []))
 
 
+@pytest.mark.oldest
 def test_checkpoints_go_to_the_server_and_a_wiped_output_dir_resumes_from_it(s3_server, uninterrupted, tmp_path):
     """Stop after 10 steps, delete output_dir: the same command downloads checkpoint-10 and finishes = one run."""
     endpoint, client = s3_server

@@ -26,6 +26,7 @@ def resume_from(uninterrupted, step, tmp_path):
     return output_dir
 
 
+@pytest.mark.oldest
 def test_resume_in_the_second_epoch_trains_the_same_samples_on_each_rank(uninterrupted, tmp_path):
     """Checkpoint 8 lies in epoch 2; each rank's loaded indices continue its uninterrupted sequence exactly."""
     output_dir = resume_from(uninterrupted, 8, tmp_path)

@@ -36,7 +36,13 @@ def single(tmp_path_factory):
     return train_loss(tmp_path_factory.mktemp("single"), "single", "--logging_steps", 5)
 
 
-@pytest.mark.parametrize("backend,logging_steps", [("ddp", 5), ("ddp", 500), ("zero2", 5), ("simple", 5)])
+# The three launcher runs of `make test-oldest`: torchrun (DDP), deepspeed (ZeRO-2), torch.distributed.launch (simple).
+SMOKE = pytest.mark.oldest
+
+
+@pytest.mark.parametrize("backend,logging_steps", [pytest.param("ddp", 5, marks=SMOKE), ("ddp", 500),
+                                                   pytest.param("zero2", 5, marks=SMOKE),
+                                                   pytest.param("simple", 5, marks=SMOKE)])
 def test_train_loss_on_2_ranks_equals_one_process(single, tmp_path, backend, logging_steps):
     """Fails if ExtTrainer stops averaging the unlogged remainder over ranks (or transformers renames
     _finalize_training, where it is added)."""

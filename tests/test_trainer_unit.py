@@ -8,6 +8,8 @@ from transformers import BertConfig, BertForSequenceClassification, GPT2Config, 
 
 from trainer_ext import ExtTrainer, ExtTrainingArguments, OptimizerSettings, SchedulerSettings
 
+pytestmark = pytest.mark.oldest  # in-process, seconds: part of `make test-oldest`
+
 
 def tiny_bert(num_labels=2):
     torch.manual_seed(0)

@@ -1,0 +1,106 @@
+"""The parts of transformers' Trainer that ExtTrainer relies on, checked against the installed release: every method
+it overrides (private ones move between minor releases), every private method it calls, every attribute it sets for
+the Trainer to read. A rename would otherwise leave an override silently never called."""
+
+import inspect
+
+import pytest
+import torch
+from transformers import Trainer
+
+import transformers.trainer
+from trainer_ext import ExtTrainer
+
+pytestmark = pytest.mark.oldest
+
+# ExtTrainer's own methods; anything else it defines must override a Trainer method.
+OWN = {"_custom_loss_requested", "_custom_loss", "_loss_uses_num_items", "_already_complete", "_remote_checkpoints",
+       "_checkpoint_to_resume", "_newest_intact_checkpoint", "_decided_by_main_process"}
+
+# Trainer methods ExtTrainer calls (not overrides), with the arguments it passes them.
+CALLS = {
+    "_load_from_checkpoint": ("checkpoint",),
+    "_remove_unused_columns": ("dataset", "description"),
+    "_get_collator_with_removed_columns": ("collator", "description"),
+    "_prepare_inputs": ("inputs",),
+    "_save": ("output_dir", "state_dict"),
+    "set_initial_training_values": ("args", "dataloader"),
+    "get_decay_parameter_names": ("model",),
+}
+
+# Attributes ExtTrainer sets or reads that the Trainer's own code must use under the same name.
+ATTRIBUTES = ("_tr_loss", "_created_lr_scheduler", "_train_batch_size", "model_accepts_loss_kwargs",
+              "loss_is_scaled_for_ga")
+
+
+def parameters(function):
+    return [p for p in inspect.signature(function).parameters.values() if p.name != "self"]
+
+
+def incompatible(ours, theirs):
+    """Why `ours` cannot take every call transformers makes to `theirs` (None if it can)."""
+    variadic = {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+    mine, kinds = parameters(ours), {p.kind for p in parameters(ours)}
+    if kinds >= variadic:
+        return None  # (*args, **kwargs): passes everything on
+    names = [p.name for p in mine if p.kind not in variadic]
+    their_names = [p.name for p in parameters(theirs) if p.kind not in variadic]
+    takes_theirs = (names[:len(their_names)] == their_names
+                    or (inspect.Parameter.VAR_KEYWORD in kinds and their_names[:len(names)] == names))
+    extra = [p.name for p in mine[len(their_names):] if p.kind not in variadic and p.default is inspect.Parameter.empty]
+    if not takes_theirs or extra:
+        return f"ExtTrainer takes ({', '.join(names)}), transformers' Trainer ({', '.join(their_names)})"
+    return None
+
+
+def test_every_override_and_call_matches_the_installed_trainer():
+    """Fails when a transformers release renames, removes or re-signs a Trainer method ExtTrainer overrides or calls,
+    or an attribute it sets for the Trainer: the range in setup.py must then exclude that release (or ExtTrainer
+    follow it)."""
+    version = transformers.__version__
+    problems = []
+    for name, ours in vars(ExtTrainer).items():
+        if not callable(ours) or name.startswith("__") or name in OWN:
+            continue
+        theirs = getattr(Trainer, name, None)
+        if theirs is None:
+            problems.append(f"ExtTrainer.{name} overrides nothing: transformers {version}'s Trainer has no {name} "
+                            "(renamed or removed? if it is ExtTrainer's own helper, add it to OWN)")
+        elif reason := incompatible(getattr(ours, "__wrapped__", ours), theirs):
+            problems.append(f"ExtTrainer.{name}: {reason}")
+    for name, arguments in CALLS.items():
+        theirs = getattr(Trainer, name, None)
+        if theirs is None:
+            problems.append(f"ExtTrainer calls Trainer.{name}, which transformers {version} does not have")
+            continue
+        try:
+            inspect.signature(theirs).bind(None, *arguments)
+        except TypeError as error:
+            problems.append(f"ExtTrainer calls Trainer.{name}({', '.join(arguments)}), transformers {version} takes "
+                            f"{inspect.signature(theirs)}: {error}")
+    source = inspect.getsource(transformers.trainer)
+    problems += [f"transformers {version}'s Trainer never uses self.{name}, which ExtTrainer relies on"
+                 for name in ATTRIBUTES if f"self.{name}" not in source]
+    assert not problems, "\n".join(problems)
+
+
+def test_a_custom_loss_is_divided_by_the_accumulation_steps(tmp_path):
+    """Fails when the Trainer stops learning that a custom loss (loss_fn, class weights, label smoothing) is a
+    per-batch mean: with 2 accumulated micro-batches each step would count twice (2x the gradient)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from trainer_ext import ExtTrainingArguments
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertForSequenceClassification(config)
+    args = ExtTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, class_weights="1.0,3.0",
+                                gradient_accumulation_steps=2)
+    trainer = ExtTrainer(model=model, args=args)
+    batch = {"input_ids": torch.randint(1, 50, (5, 6), generator=torch.Generator().manual_seed(1)),
+             "labels": torch.tensor([0, 1, 1, 0, 1])}
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(10))
+    trainer.current_gradient_accumulation_steps = 2  # set by the training loop for each optimizer step
+    assert torch.allclose(trainer.training_step(model, dict(batch), num_items_in_batch=torch.tensor(10)), loss / 2)
