@@ -47,16 +47,6 @@ def check_fp16_backend(backend: str, opt_level: str) -> None:
                              "(install it from https://github.com/NVIDIA/apex, or use --fp16_backend amp)")
 
 
-def check_fp16_backend(backend: str, opt_level: str) -> None:
-    if backend not in FP16_BACKENDS:
-        raise ArgumentsError(f"--fp16_backend {backend!r}: choose one of {', '.join(FP16_BACKENDS)}")
-    if opt_level not in FP16_OPT_LEVELS:
-        raise ArgumentsError(f"--fp16_opt_level {opt_level!r}: choose one of {', '.join(FP16_OPT_LEVELS)}")
-    if backend == "apex" and importlib.util.find_spec("apex") is None:
-        raise ArgumentsError("--fp16_backend apex: NVIDIA apex is not installed "
-                             "(install it from https://github.com/NVIDIA/apex, or use --fp16_backend amp)")
-
-
 def parse_class_weights(value) -> list[float] | None:
     """`--class_weights 1.0,3.0` (or a list) -> [1.0, 3.0]; every weight positive."""
     if value is None or value == "" or value == []:
