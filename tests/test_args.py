@@ -29,6 +29,7 @@ def test_sharded_ddp_valid_options(value, expected):
 
 
 def test_sharded_ddp_simple_in_arguments(tmp_path):
+    """The commonest v4 flag, --sharded_ddp simple, must parse to the option list the FairScale backend reads."""
     assert ExtTrainingArguments(output_dir=str(tmp_path), sharded_ddp="simple").sharded_ddp == ["simple"]
 
 
@@ -40,16 +41,19 @@ def test_sharded_ddp_simple_in_arguments(tmp_path):
     ("zero_dp_2 zero_dp_2", "repeated"),
 ])
 def test_sharded_ddp_invalid_options_name_the_option(tmp_path, value, message):
+    """A typo or an impossible mix in --sharded_ddp must be refused at parse time, naming the option and the fix."""
     with pytest.raises(ArgumentsError, match=message.replace("?", r"\?")):
         ExtTrainingArguments(output_dir=str(tmp_path), sharded_ddp=value)
 
 
 def test_sharded_ddp_with_deepspeed_is_rejected(tmp_path):
+    """--sharded_ddp with --deepspeed asks for two backends; the run must refuse rather than quietly pick one."""
     with pytest.raises(ArgumentsError, match="--sharded_ddp simple and --deepspeed"):
         ExtTrainingArguments(output_dir=str(tmp_path), sharded_ddp="simple", deepspeed="zero2_minimal")
 
 
 def test_apex_backend_needs_apex(tmp_path):
+    """--fp16_backend apex without apex installed must stop at parse time with the install hint, not mid-setup."""
     with pytest.raises(ArgumentsError, match="apex is not installed"):
         ExtTrainingArguments(output_dir=str(tmp_path), fp16_backend="apex")
 

@@ -11,6 +11,7 @@ CLI = BIN / "trainer-ext"
 
 @pytest.mark.launch
 def test_prints_complete_config_for_target_cluster():
+    """ds-config on a login node must print the whole config the 8-rank cluster will run, no "auto" left."""
     out = run([CLI, "ds-config", "--deepspeed", "ds_configs/zero2.json", "--world_size", "8",
                "--num_training_steps", "1000", "--per_device_train_batch_size", "4"])
     assert out.returncode == 0, out.stderr
@@ -32,6 +33,7 @@ def test_fp16_renders_on_a_cpu_only_machine():
 
 @pytest.mark.launch
 def test_explain_names_the_source_of_each_field():
+    """--explain must say where each value came from (file, flag, default, derived), or a surprise cannot be traced."""
     out = run([CLI, "ds-config", "--deepspeed", "zero2", "--bf16", "--world_size", "2", "--num_training_steps", "10",
                "--explain"])
     assert out.returncode == 2  # the classic file enables fp16, --bf16 conflicts
@@ -49,6 +51,7 @@ def test_explain_names_the_source_of_each_field():
 
 @pytest.mark.launch
 def test_bad_input_exits_2_with_message_on_stderr(tmp_path):
+    """`ds-config > ds.json` with bad input must leave stdout empty and say why on stderr, with exit status 2."""
     bad = tmp_path / "bad.json"
     bad.write_text('{"zero_optimization": {"stage": 2}')
     for argv, expected in [
@@ -101,5 +104,6 @@ def test_a_flag_typed_at_its_default_conflicts_with_the_file():
 
 @pytest.mark.launch
 def test_unknown_command_suggests_the_closest():
+    """A mistyped subcommand (ds-conifg) must exit 2 suggesting the right one."""
     out = run([CLI, "ds-conifg"])
     assert out.returncode == 2 and "ds-config" in out.stderr

@@ -39,6 +39,7 @@ def test_letter_suffixes_are_dropped_so_deepspeed_can_build(value, expected):
 
 @pytest.mark.parametrize("value", ["8.0;9.0", "8.6+PTX", "9.0 10.0"])
 def test_values_deepspeed_reads_are_left_alone(value):
+    """A TORCH_CUDA_ARCH_LIST that DeepSpeed already builds with must not be rewritten or warned about."""
     env = {"TORCH_CUDA_ARCH_LIST": value}
     assert prepare_for_deepspeed(env) is None and env["TORCH_CUDA_ARCH_LIST"] == value
     assert deepspeed_parses(value)
@@ -46,11 +47,13 @@ def test_values_deepspeed_reads_are_left_alone(value):
 
 @pytest.mark.parametrize("value", ["sm_90", "Hopper", "90", "9.0;9.x"])
 def test_unreadable_entries_are_an_error_naming_the_variable_and_the_fix(value):
+    """An arch list nothing can read (sm_90, Hopper) must stop the run naming the variable and a working value."""
     with pytest.raises(ArchListError, match=r"TORCH_CUDA_ARCH_LIST=.*e\.g\. TORCH_CUDA_ARCH_LIST=\"8\.0;9\.0\""):
         for_deepspeed(value)
 
 
 def test_normalised_for_the_process_and_said_once(caplog):
+    """The corrected list must reach DeepSpeed's op build, and the note appear once on rank 0, not on every rank."""
     env = {"TORCH_CUDA_ARCH_LIST": "9.0a", "RANK": "0"}
     with caplog.at_level("WARNING", logger="trainer_ext.cuda_arch"):
         note = prepare_for_deepspeed(env)

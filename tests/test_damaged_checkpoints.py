@@ -63,6 +63,7 @@ def damage(path, how):
 @pytest.mark.parametrize("backend,kind", [(b, k) for b, kinds in FILES.items() for k in kinds])
 def test_each_damaged_file_is_found_and_the_previous_checkpoint_taken(uninterrupted, tmp_path, caplog, backend,
                                                                       kind, how):
+    """Any damaged file (truncated or same size) under any backend must be named and the checkpoint before taken."""
     run_dir = tmp_path / backend
     shutil.copytree(uninterrupted / backend, run_dir)
     relative = FILES[backend][kind]
@@ -93,6 +94,7 @@ def test_resume_skips_the_damaged_newest_checkpoint_and_ends_like_one_run(uninte
 
 
 def test_explicit_resume_from_a_damaged_checkpoint_is_refused(uninterrupted, tmp_path):
+    """A damaged checkpoint the user names must be refused naming the file, not loaded or swapped for another."""
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted / "single", run_dir)
     damage(run_dir / "checkpoint-6" / "optimizer.pt", "same size")

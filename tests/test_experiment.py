@@ -45,6 +45,7 @@ def test_every_shipped_experiment_validates_and_every_task_has_one():
 
 
 def test_misspelled_keys_get_the_closest_valid_key_all_at_once():
+    """Each misspelled key in an experiment file must be named with its fix in one go, not one relaunch per typo."""
     values = shipped("classification")
     values["hyperparameter"] = {}
     values["hyperparameters"]["learning_rat"] = 1e-4
@@ -60,6 +61,7 @@ def test_misspelled_keys_get_the_closest_valid_key_all_at_once():
 
 
 def test_unknown_task_and_missing_data_file_are_named(tmp_path):
+    """A misspelled task or a wrong data path must be named before anything is built, not fail deep in loading."""
     values = shipped("classification")
     values["task"] = "clasification"
     with pytest.raises(ExperimentError, match="task: 'clasification' is not one of .*did you mean 'classification'"):

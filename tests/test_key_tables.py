@@ -35,6 +35,7 @@ def test_known_top_level_keys_cover_every_key_deepspeed_reads(deepspeed_accepts)
 
 
 def test_section_keys_equal_deepspeed_models():
+    """Key lists behind DeepSpeed's would block valid ZeRO/fp16/bf16 keys or let ones it ignores pass silently."""
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
@@ -44,6 +45,7 @@ def test_section_keys_equal_deepspeed_models():
 
 
 def test_removed_keys_cover_deepspeed_removals():
+    """A block DeepSpeed removed (amp, elasticity, ...) must be refused up front, saying what replaces it."""
     from deepspeed.runtime import config
 
     assert set(config._REMOVED_TOP_LEVEL_CONFIG_KEYS) <= set(dc.REMOVED_TOP_LEVEL_KEYS)

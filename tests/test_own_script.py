@@ -33,6 +33,7 @@ def test_classic_config_pasted_into_own_script_trains_under_deepspeed(tmp_path):
 
 
 def test_classic_fp16_config_on_cpu_says_what_to_change(tmp_path):
+    """The published fp16 config pasted into a CPU run must say to change fp16.enabled or use --bf16, not crash."""
     out = run([BIN / "deepspeed", "--num_gpus", 2, "--master_port", free_port(), SCRIPT, "--output_dir",
                tmp_path / "out", "--use_cpu", "--deepspeed", REPO / "ds_configs" / "zero2.json", *FLAGS])
     assert out.returncode != 0

@@ -106,6 +106,7 @@ def write_checkpoint(root, step, complete=True):
 
 
 def test_damaged_newest_checkpoint_is_skipped(tmp_path, caplog):
+    """A checkpoint cut off mid-save or with a broken trainer_state.json must never be resumed; the older one is."""
     write_checkpoint(tmp_path, 10)
     write_checkpoint(tmp_path, 20, complete=False)  # a crash while saving (or a stock-transformers folder)
     broken = write_checkpoint(tmp_path, 30)
@@ -115,6 +116,7 @@ def test_damaged_newest_checkpoint_is_skipped(tmp_path, caplog):
 
 
 def test_save_total_limit_never_deletes_the_only_valid_checkpoint(tmp_path):
+    """--save_total_limit must count only complete checkpoints and keep the best: never delete the one to resume."""
     write_checkpoint(tmp_path, 10)
     write_checkpoint(tmp_path, 20, complete=False)
     write_checkpoint(tmp_path, 30, complete=False)

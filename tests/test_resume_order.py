@@ -39,6 +39,7 @@ def test_resume_in_the_second_epoch_trains_the_same_samples_on_each_rank(uninter
 
 @pytest.mark.parametrize("batch_size,ranks", [(16, 1)])
 def test_resume_on_one_rank_with_the_same_global_batch(uninterrupted, tmp_path, batch_size, ranks):
+    """A 2-rank run resumed on 1 rank (same global batch) must train each step on the uninterrupted run's samples."""
     output_dir = resume_from(uninterrupted, 4, tmp_path)
     train(output_dir, tmp_path / "indices", batch_size, ranks, "--max_steps", 14)
     assert global_steps(tmp_path / "indices", batch_size, ranks) == global_steps(uninterrupted / "indices", 8, 2)[4:]

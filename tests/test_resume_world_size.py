@@ -40,6 +40,7 @@ def test_zero2_from_2_ranks_resumes_on_1_then_resumes_again(accumulate_runs, tmp
 
 
 def test_zero2_from_1_rank_resumes_on_2(tmp_path):
+    """A ZeRO-2 checkpoint from 1 rank must resume on 2 and continue the uninterrupted run's losses and weights."""
     one_rank = tmp_path / "uninterrupted"
     launch("deepspeed", one_rank, *ACCUMULATE, "--per_device_train_batch_size", 8, *ZERO2, "--save_strategy",
            "steps", "--save_steps", 6, ranks=1)

@@ -48,6 +48,7 @@ def test_each_pass_over_the_data_is_a_permutation_and_the_stream_needs_no_paddin
 
 
 def test_drop_last_makes_an_epoch_the_whole_global_batches():
+    """With --dataloader_drop_last an epoch must be whole global batches only (37 samples, batch 8: 4 steps)."""
     sampler = ResumableBatchSampler(37, 4, world_size=2, drop_last=True)
     assert sampler.steps_per_epoch == 4 and len(sampler) == 4
 
@@ -63,6 +64,7 @@ def test_resuming_continues_the_uninterrupted_order_exactly():
 
 @pytest.mark.parametrize("batch_size,world_size", [(16, 1), (4, 4)])
 def test_resuming_on_another_world_size_with_the_same_global_batch(batch_size, world_size):
+    """Resuming on 1 or 4 ranks with the same global batch must continue the exact order of the 2-rank run."""
     uninterrupted, sampler = steps(37, 8, world_size=2, epochs=4)
     resumed, _ = steps(37, batch_size, world_size, epochs=4, state=sampler.state_dict(6), first_step=6)
     assert resumed == uninterrupted[6:]
@@ -87,6 +89,7 @@ def test_a_changed_global_batch_repeats_and_drops_no_sample(new_batch, new_world
 
 
 def test_a_changed_dataset_or_seed_is_refused_with_the_way_out():
+    """Resuming on other data or another seed would skip the wrong samples; refuse, naming --ignore_data_skip."""
     saved = ResumableBatchSampler(37, 8, seed=3).state_dict(2)
     with pytest.raises(ValueError, match=r"num_samples changed from 37 to 40.*--ignore_data_skip"):
         ResumableBatchSampler(40, 8, seed=3).load_state_dict(saved)
@@ -95,6 +98,7 @@ def test_a_changed_dataset_or_seed_is_refused_with_the_way_out():
 
 
 def test_iteration_yields_the_epoch_set_by_set_epoch():
+    """The Trainer calls set_epoch; ignoring it would repeat the first epoch's order in every epoch."""
     sampler = ResumableBatchSampler(20, 4, seed=1)
     first = list(sampler)
     sampler.set_epoch(1)

@@ -42,6 +42,7 @@ def test_simple_with_accumulation_and_clipping(accumulate_runs, simple_runs):
 
 
 def test_simple_predictions_equal_one_process(plain_runs, simple_runs):
+    """--sharded_ddp simple must predict exactly what one process predicts, row for row."""
     single = json.loads((plain_runs / "single" / "predictions.json").read_text())
     sharded = json.loads((simple_runs / "plain" / "predictions.json").read_text())
     assert sharded["predictions"] == single["predictions"]
@@ -122,12 +123,14 @@ def test_simple_under_bf16_runs_the_forward_in_bf16_like_ddp(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 @pytest.mark.parametrize("options", [["zero_dp_2"], ["zero_dp_3"], ["zero_dp_3", "offload"]])
 def test_fully_sharded_options_fail_early_without_cuda(tmp_path, options):
+    """zero_dp_2/zero_dp_3 on a CPU machine must exit 2 at parse time pointing to --sharded_ddp simple."""
     out = run([PYTHON, SCRIPT, "--output_dir", tmp_path, "--sharded_ddp", *options])
     assert out.returncode == 2 and "ARGS" not in out.stdout
     assert f"--sharded_ddp {' '.join(options)}" in out.stderr and "use --sharded_ddp simple" in out.stderr
 
 
 def test_offload_requires_mixed_precision():
+    """FairScale offloads only in mixed precision: "zero_dp_2 offload" without --fp16/--bf16 must say to add one."""
     with pytest.raises(ArgumentsError, match="offload.*mixed precision.*--fp16 or --bf16"):
         check_sharded_ddp_machine(["zero_dp_2", "offload"], cuda_available=True, mixed_precision=False)
     check_sharded_ddp_machine(["zero_dp_2", "offload"], cuda_available=True, mixed_precision=True)

@@ -38,6 +38,7 @@ def logits_of(model, batch):
 
 
 def test_default_loss_is_the_models_own(tmp_path):
+    """With no custom loss options the loss must be the model's own, exactly what stock Trainer trains on."""
     model, batch = tiny_bert(), fixed_batch()
     loss = trainer_for(tmp_path, model).compute_loss(model, dict(batch))
     assert torch.allclose(loss, F.cross_entropy(logits_of(model, batch), batch["labels"]))
@@ -55,6 +56,7 @@ def test_class_weights_match_hand_computation(tmp_path):
 
 
 def test_label_smoothing_matches_hand_computation(tmp_path):
+    """--label_smoothing_factor 0.1 must give the textbook smoothed cross-entropy, not a differently scaled loss."""
     model, batch = tiny_bert(), fixed_batch()
     loss = trainer_for(tmp_path, model, label_smoothing_factor=0.1).compute_loss(model, dict(batch))
     log_probs = torch.log_softmax(logits_of(model, batch), dim=-1)
@@ -96,6 +98,7 @@ def test_class_weights_with_a_loss_fn_are_refused(tmp_path, monkeypatch):
 
 
 def test_bad_class_weights_are_rejected_at_parse_time(tmp_path):
+    """Malformed or negative --class_weights must stop the script at parse time, not after the model is loaded."""
     from trainer_ext import ArgumentsError
 
     for value in ("1.0;3.0", "1.0", "1.0,-2"):
@@ -115,6 +118,7 @@ def test_plain_mean_models_are_told_apart_from_token_count_losses(tmp_path):
 
 
 def test_optimizer_has_no_weight_decay_on_bias_and_layernorm(tmp_path):
+    """Stock Trainer spares biases and LayerNorm weights from weight decay; decaying them shifts every fine-tune."""
     model = tiny_bert()
     trainer = trainer_for(tmp_path, model, optimizer_settings=OptimizerSettings(lr=1e-3, weight_decay=0.01))
     optimizer = trainer.create_optimizer()
@@ -143,6 +147,7 @@ def test_optim_flag_picks_the_optimizer_as_the_trainer_does(tmp_path):
 
 
 def test_settings_from_dict_reject_unknown_keys():
+    """A wrong key in optimizer settings (learning_rate for lr) must be refused, not silently train at the default."""
     assert OptimizerSettings.from_dict({"lr": 1e-3, "betas": [0.8, 0.9]}).betas == (0.8, 0.9)
     assert SchedulerSettings.from_dict({"type": "cosine", "warmup_steps": 0.1}).warmup_for(50) == 5
     with pytest.raises(ValueError, match="unknown keys \\['learning_rate'\\]"):

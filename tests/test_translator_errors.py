@@ -38,6 +38,7 @@ def test_all_conflicts_are_reported_together():
 
 
 def test_betas_conflict_names_the_element():
+    """--adam_beta2 clashing with the file's betas must name the element, betas[1], and both values."""
     [problem] = problems({"adam_beta2": 0.98}, {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}})
     assert "optimizer.params.betas[1]=0.95" in problem and "--adam_beta2 0.98" in problem
 
@@ -53,6 +54,7 @@ def test_batch_fields_that_cannot_hold_name_each_field_and_the_flag():
 
 
 def test_batch_flag_conflicting_with_file_micro_batch():
+    """--per_device_train_batch_size against the file's micro batch must name both, not silently train on one."""
     [problem] = problems({"per_device_train_batch_size": 16}, {"train_micro_batch_size_per_gpu": 4})
     assert "train_micro_batch_size_per_gpu=4" in problem and "--per_device_train_batch_size 16" in problem
 
@@ -86,6 +88,7 @@ def test_unknown_key_gets_the_closest_known_key(key, hint):
 
 
 def test_unknown_nested_key_gets_the_closest_known_key():
+    """A typo inside a section (overlap_com) is ignored by DeepSpeed; it must be named with the right spelling."""
     [problem] = problems({}, {"zero_optimization": {"stage": 2, "overlap_com": True}})
     assert "zero_optimization.overlap_com" in problem and "zero_optimization.overlap_comm" in problem
 
@@ -94,11 +97,13 @@ def test_unknown_nested_key_gets_the_closest_known_key():
                                       ("loss_scale", "fp16"), ("lr", "optimizer.params"),
                                       ("warmup_num_steps", "scheduler.params")])
 def test_key_at_the_wrong_level_says_where_it_belongs(key, home):
+    """A key put at the top level (stage, lr, loss_scale) is ignored by DeepSpeed; say which section it belongs in."""
     [problem] = problems({}, {key: 1})
     assert key in problem and f'inside "{home}"' in problem
 
 
 def test_invalid_json_reports_file_line_and_column(tmp_path):
+    """A broken DeepSpeed file must be reported with its path, line and column, not a bare JSONDecodeError."""
     path = tmp_path / "ds.json"
     path.write_text('{\n  "zero_optimization": {\n    "stage": 2\n  \n}\n')  # a closing brace missing
     with pytest.raises(DeepSpeedConfigError) as info:
@@ -117,6 +122,7 @@ def test_comments_and_trailing_commas_are_read_as_deepspeed_reads_them(tmp_path)
 @pytest.mark.parametrize("text", ['{"train_batch_size": 8, "train_batch_size": 16}',
                                   '{\n  // comment\n  "fp16": {"enabled": true, "enabled": false},\n}'])
 def test_duplicate_keys_are_refused_naming_the_key(tmp_path, text):
+    """A key written twice in a file silently keeps the last value; it must be refused, naming the key."""
     path = tmp_path / "ds.json"
     path.write_text(text)
     with pytest.raises(DeepSpeedConfigError, match="duplicate key '(train_batch_size|enabled)'"):
@@ -124,6 +130,7 @@ def test_duplicate_keys_are_refused_naming_the_key(tmp_path, text):
 
 
 def test_invalid_inline_json_reports_line_and_column():
+    """Broken inline --deepspeed JSON must be reported as such with line and column, so the typo can be found."""
     with pytest.raises(DeepSpeedConfigError, match=r"inline --deepspeed JSON, line 1, column \d+"):
         load_deepspeed_config('{"zero_optimization": {"stage": 2}')
 
@@ -141,39 +148,47 @@ def test_invalid_inline_json_reports_line_and_column():
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}, "scheduler.params.warmup_num_steps"),
 ])
 def test_wrong_types_and_non_positive_sizes_are_rejected(config, field):
+    """A wrong type or a zero/negative size in the file must be named before training, not crash inside DeepSpeed."""
     assert any(field in problem for problem in problems({}, config))
 
 
 def test_non_positive_batch_flag_is_rejected():
+    """--per_device_train_batch_size 0 must be refused by name, not turned into a train_batch_size of 0."""
     assert any("--per_device_train_batch_size" in p for p in problems({"per_device_train_batch_size": 0}, {}))
 
 
 def test_fp16_and_bf16_together():
+    """fp16 on in the file and --bf16 on the command line must be refused, asking the user to choose one."""
     [problem] = problems({"bf16": True}, {"fp16": {"enabled": True}})
     assert "fp16.enabled" in problem and "bf16.enabled" in problem and "--bf16" in problem
 
 
 def test_apex_backend_is_rejected_with_the_alternative():
+    """DeepSpeed 0.19 has no Apex AMP: a v4 --fp16_backend apex must be refused, pointing to --fp16_backend amp."""
     [problem] = problems({"fp16": True, "fp16_backend": "apex"}, {})
     assert "--fp16_backend apex" in problem and "--fp16_backend amp" in problem
 
 
 def test_legacy_amp_block_is_rejected_with_the_replacement():
+    """An old file's "amp" block is rejected by DeepSpeed 0.19; the message must say to use the "fp16" block."""
     [problem] = problems({}, {"amp": {"enabled": True, "opt_level": "O1"}})
     assert problem.startswith("amp:") and '"fp16"' in problem
 
 
 def test_scheduler_type_conflicting_with_flag():
+    """--lr_scheduler_type cosine against the file's WarmupLR must be refused, not train on the file's schedule."""
     [problem] = problems({"lr_scheduler_type": "cosine"}, {"scheduler": {"type": "WarmupLR", "params": {}}})
     assert "scheduler.type=WarmupLR" in problem and "--lr_scheduler_type cosine" in problem
 
 
 def test_warmup_conflict_names_both():
+    """--warmup_steps against the file's warmup_num_steps must name both values, not silently keep one."""
     [problem] = problems({"warmup_steps": 10}, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 50}}})
     assert "warmup_num_steps=50" in problem and "--warmup_steps 10" in problem
 
 
 def test_optimizer_and_scheduler_peak_rate_disagree():
+    """A file whose lr and warmup_max_lr differ trains at warmup_max_lr after warmup; the mismatch must be named."""
     config = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-5}},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-4}}}
     [problem] = problems({}, config)
@@ -181,21 +196,25 @@ def test_optimizer_and_scheduler_peak_rate_disagree():
 
 
 def test_missing_step_count_says_how_to_give_it():
+    """A schedule that needs the total step count must, without one, say to give --num_training_steps."""
     [problem] = problems({"warmup_steps": 10}, {}, num_training_steps=None)
     assert "scheduler.params.total_num_steps" in problem and "--num_training_steps" in problem
 
 
 def test_max_steps_gives_the_step_count():
+    """--max_steps must fill the scheduler's total_num_steps; users should not have to give the count twice."""
     config = build_deepspeed_config({"warmup_steps": 10, "max_steps": 300}, world_size=1)
     assert config["scheduler"]["params"]["total_num_steps"] == 300
 
 
 def test_unfillable_auto_is_named():
+    """An "auto" we cannot fill (sub_group_size) must be named, not handed to DeepSpeed as the string "auto"."""
     [problem] = problems({}, {"zero_optimization": {"stage": 2, "sub_group_size": "auto"}})
     assert "zero_optimization.sub_group_size" in problem and '"auto"' in problem
 
 
 def test_unknown_preset_lists_the_presets():
+    """A misspelled preset name must be answered with the list of real presets."""
     with pytest.raises(DeepSpeedConfigError) as info:
         load_deepspeed_config("zero2_ofload")
     assert "zero2_offload" in str(info.value) and "zero2_minimal" in str(info.value)
@@ -219,6 +238,7 @@ def test_file_with_only_the_zero_section_is_complete():
 
 
 def test_legacy_cpu_offload_is_migrated():
+    """Old files with zero_optimization.cpu_offload must still offload, as offload_optimizer, with one note."""
     resolution = resolve_deepspeed_config({}, {"zero_optimization": {"stage": 2, "cpu_offload": True}},
                                           world_size=1, num_training_steps=10)
     zero = resolution.config["zero_optimization"]
@@ -227,6 +247,7 @@ def test_legacy_cpu_offload_is_migrated():
 
 
 def test_world_size_from_environment(monkeypatch):
+    """Under a launcher the batch fields must use its WORLD_SIZE, or train_batch_size is wrong for the job."""
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert resolve_world_size() == 4
     assert build_deepspeed_config({}, num_training_steps=10, config={})["train_batch_size"] == 32
@@ -234,6 +255,7 @@ def test_world_size_from_environment(monkeypatch):
 
 
 def test_accepts_dict_inline_json_path_and_preset(tmp_path):
+    """--deepspeed must take every form users pass: a dict, inline JSON, a file path or a preset name."""
     path = tmp_path / "z.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     for value in ({"zero_optimization": {"stage": 2}}, '{"zero_optimization": {"stage": 2}}', str(path), "zero2_minimal"):

@@ -60,6 +60,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_user_error_is_one_line_exit_2_nothing_written(tmp_path, case):
+    """Each common mistake must end in one error line and exit 2 before output_dir is created, not a traceback."""
     flags, phrase, env = CASES[case]
     output_dir = tmp_path / "out"
     env = {key: value.format(closed_port=free_port()) for key, value in env.items()}
@@ -77,6 +78,7 @@ def test_user_error_is_one_line_exit_2_nothing_written(tmp_path, case):
     (["ds-config", "--deepspeed", "zero2", "--learning_rate", "1e-4"], "optimizer.params.lr=3e-05 in the file disagrees"),
 ])
 def test_cli_user_errors(command, phrase):
+    """trainer-ext subcommands must answer mistakes the same way: a message naming it, exit 2, no traceback."""
     out = run([PYTHON, "-m", "trainer_ext", *command])
     assert out.returncode == 2 and phrase in out.stderr and "Traceback" not in out.stderr
 
@@ -89,6 +91,7 @@ def test_own_script_with_stock_arguments_gets_the_same(tmp_path):
 
 
 def test_debug_variable_shows_the_traceback(tmp_path):
+    """With TRAINER_EXT_DEBUG=1 the full traceback must come back, for a bug report."""
     out = run([PYTHON, GLUE, "--output_dir", tmp_path / "out", *FAST, "--do_train", "--text_column", "nope"],
               env={"TRAINER_EXT_DEBUG": "1"})
     assert out.returncode != 0 and "Traceback" in out.stderr and "ArgumentsError: --text_column 'nope'" in out.stderr
@@ -124,6 +127,7 @@ def checkpoint_case(tiny_run, tmp_path, command, phrase, prepare=None):
 
 
 def test_resume_from_a_damaged_checkpoint(tiny_run, tmp_path):
+    """Resuming from a named damaged checkpoint must exit 2 naming the bad file and leave the run folder untouched."""
     def damage(run_dir):
         path = run_dir / "checkpoint-2" / "optimizer.pt"
         data = bytearray(path.read_bytes())
@@ -149,11 +153,13 @@ def test_resume_from_checkpoint_true_or_auto_takes_the_newest(tiny_run, tmp_path
 
 
 def test_resume_with_another_model(tiny_run, tmp_path):
+    """Resuming another model's checkpoint must exit 2 before training and leave the checkpoints untouched."""
     checkpoint_case(tiny_run, tmp_path, [GLUE, "--output_dir", "{run}", "--do_train", *FAST[:2], "--max_steps", 4],
                     "was written by a different model")
 
 
 def test_resume_on_changed_data(tiny_run, tmp_path):
+    """Resuming on a changed dataset must exit 2 naming the change, not train on wrongly skipped samples."""
     checkpoint_case(tiny_run, tmp_path, [TINY_TRAIN, "--output_dir", "{run}", "--max_steps", 4, "--report_to", "none",
                                          "--per_device_train_batch_size", 8, "--num_samples", 300],
                     "num_samples changed from 512 to 300")
