@@ -14,10 +14,10 @@ from trainer_ext import ExtTrainer
 pytestmark = pytest.mark.oldest
 
 # ExtTrainer's own methods; anything else it defines must override a Trainer method.
-OWN = {"_custom_loss_requested", "_custom_loss", "_loss_uses_num_items", "_already_complete", "_remote_checkpoints",
-       "_checkpoint_to_resume", "_newest_intact_checkpoint", "_decided_by_main_process"}
+OWN = {"_custom_loss_requested", "_custom_loss", "_loss_uses_num_items"}
 
-# Trainer methods ExtTrainer calls (not overrides), with the arguments it passes them.
+# Trainer methods ExtTrainer calls (not overrides), with the arguments it passes them (checkpoint.py's RunCheckpoints and
+# data/loader.py call some of them on its behalf).
 CALLS = {
     "_load_from_checkpoint": ("checkpoint",),
     "_remove_unused_columns": ("dataset", "description"),
