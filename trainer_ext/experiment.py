@@ -21,7 +21,7 @@ TASKS = {
 }
 # Tasks whose recipe needs more than ExtTrainingArguments (generation settings).
 TRAINING_ARGUMENTS = {"translation": ("trainer_ext.seq2seq", "ExtSeq2SeqTrainingArguments")}
-SECTIONS = ("task", "description", "hyperparameters", "data", "deepspeed", "sharded_ddp")
+SECTIONS = ("task", "description", "hyperparameters", "data", "deepspeed", "sharded_ddp", "search")  # search: trainer-ext search
 BACKENDS = {"deepspeed", "sharded_ddp"}
 MODEL_KWARGS = {"config": "config_kwargs", "tokenizer": "tokenizer_kwargs", "model": "model_kwargs"}
 # optimizer / scheduler sections -> the TrainingArguments fields ExtTrainer builds them from
@@ -96,9 +96,7 @@ def load_experiment(source, argv: Sequence[str] = (), folder=None) -> Experiment
         problems.append(f"{name}: task: {task!r} is not one of {', '.join(TASKS)}" + closest(task, TASKS))
         raise ExperimentError("\n".join(problems))
     classes = argument_classes(task)
-    types = {key: hint for cls in classes for key, hint in field_types(cls).items()}
-    types.update((key, (hint, None)) for key, hint in TYPES.items())
-
+    types = flag_types(classes)
     given = _with_paths(_file_values(values, name, classes, types, problems), folder)  # field -> typed value
     flags = _flags(classes, argv, problems)
     if BACKENDS & flags.keys():  # a backend flag replaces the file's backend
@@ -120,6 +118,13 @@ def argument_classes(task: str) -> tuple:
     recipe = import_module(TASKS[task])
     module, name = TRAINING_ARGUMENTS.get(task, ("trainer_ext.args", "ExtTrainingArguments"))
     return recipe.ModelArguments, recipe.DataArguments, getattr(import_module(module), name)
+
+
+def flag_types(classes) -> dict:
+    """Field of the task's argument classes -> (the type an experiment file's value is read as, its choices)."""
+    types = {key: hint for cls in classes for key, hint in field_types(cls).items()}
+    types.update((key, (hint, None)) for key, hint in TYPES.items())
+    return types
 
 
 def run_experiment(source, argv: Sequence[str] = ()) -> dict:
