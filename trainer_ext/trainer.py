@@ -22,6 +22,7 @@ from .data.samplers import ResumableBatchSampler
 from .errors import UserError, exits_on_user_error
 from .leftovers import remove_own_shm_buffer
 from .preemption import Preempted, PreemptionCallback
+from .search.callback import trial_callback
 from .settings import OptimizerSettings, SchedulerSettings
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ class ExtTrainer(Trainer):
         self.training_already_complete = None  # the checkpoint a re-run found complete (train() then trains nothing)
         self.preemption = PreemptionCallback()
         self.add_callback(self.preemption)
+        self.search_trial = trial_callback()  # inside `trainer-ext search`: evaluations reach the study's pruner
+        if self.search_trial is not None:
+            self.add_callback(self.search_trial)
         progress.install(self)  # main process: bar with samples/s and ETA; resolved settings printed at start
 
     # -- losses ----------------------------------------------------------------------------------------
@@ -278,6 +282,8 @@ class ExtTrainer(Trainer):
             saved = newest_valid_checkpoint(self.args.output_dir)
             logger.warning("preempted: checkpoint %s written; run the same command again to resume", saved)
             raise Preempted(self.preemption.signum, saved)
+        if self.search_trial is not None:
+            self.search_trial.stop_if_pruned()  # after its checkpoint: the search records the trial as pruned
         if self.is_world_process_zero() and hasattr(self.backend, "save_resolved_config"):
             Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
             self.backend.save_resolved_config(self.args.output_dir)
