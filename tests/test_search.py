@@ -31,8 +31,9 @@ def tiny_search(tmp_path, search, backend=None, **hyperparameters):
     values.update(backend or {})
     values["hyperparameters"].update({
         "config": {"num_hidden_layers": 1}, "output_dir": str(tmp_path / "out"), "max_steps": 6,
-        "per_device_train_batch_size": 4, "per_device_eval_batch_size": 16, "logging_steps": 2, "eval_strategy": "steps",
-        "eval_steps": 2, "save_strategy": "steps", "save_steps": 2, "disable_tqdm": True, **hyperparameters})
+        "per_device_train_batch_size": 4, "per_device_eval_batch_size": 16, "logging_steps": 2,
+        "eval_strategy": "steps", "eval_steps": 2, "save_strategy": "steps", "save_steps": 2, "disable_tqdm": True,
+        **hyperparameters})
     values["data"].update(max_train_samples=32, max_eval_samples=16, max_seq_length=32)
     for split in ("train", "validation", "test"):
         values["data"][f"{split}_file"] = str(REPO / "data" / "classification" / f"{split}.jsonl")
@@ -139,8 +140,9 @@ def test_the_shipped_search_section_is_valid():
     """`trainer-ext search experiments/classification.yaml` must work on first try."""
     values = yaml.safe_load((REPO / "experiments" / "classification.yaml").read_text())
     problems = []
-    settings = read_search(values["search"], "classification.yaml: search", flag_types(argument_classes("classification")),
-                           metrics=("loss", "accuracy"), has_deepspeed=True, problems=problems)
+    settings = read_search(values["search"], "classification.yaml: search",
+                           flag_types(argument_classes("classification")), metrics=("loss", "accuracy"),
+                           has_deepspeed=True, problems=problems)
     assert problems == [] and settings.metric == "eval_accuracy" and settings.direction == "maximize"
     assert settings.pruner == {"type": "hyperband"} and "deepspeed.zero_optimization.stage" in settings.space
 
@@ -186,9 +188,7 @@ def test_a_bad_search_section_is_named_line_by_line():
 
 
 def test_a_broken_search_exits_2_before_anything_trains(tmp_path):
-    """Through the command: the file's, the section's, the flags' and the launcher's problems at once, and values
-    training would refuse (batch size 0, ZeRO stage 4) found by building the experiment with each; exit 2, no
-    traceback, no study."""
+    """File, section, flag, launcher and value problems (batch 0, ZeRO stage 4) at once, exit 2, before any study."""
     path = tiny_search(tmp_path, {"pruner": "hyperband", "space": {
         "per_device_train_batch_size": {"type": "int", "low": 0, "high": 16},
         "deepspeed.zero_optimization.stage": [2, 4], "learning_rate": LEARNING_RATE}},

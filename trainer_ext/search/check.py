@@ -110,8 +110,8 @@ def _requirements(settings: SearchSettings, experiment, flags: list[str], name: 
                         "training, and hyperparameters.eval_strategy is no: set eval_strategy: steps and eval_steps "
                         "(or epoch)")
     for key in settings.space:
-        flag = f"--{key.split('.')[0]}"
-        if any(word == flag or word.startswith(flag + "=") for word in flags):
+        flag = f"--{key}"
+        if not key.startswith(BACKEND) and any(word == flag or word.startswith(flag + "=") for word in flags):
             problems.append(f"{name}search.space: {key}: searched, and also given as {flag} on the command line: "
                             "drop one")
     if args.fresh_start:

@@ -42,7 +42,7 @@ def trial_outcome(trial_dir: Path, metric: str) -> tuple[float | None, int | Non
 def table(study, metric: str) -> str:
     """The trials as a markdown table, one row each: readable in a terminal too."""
     trials = study.get_trials(deepcopy=False)
-    names = sorted({name for trial in trials for name in trial.params})
+    names = list(dict.fromkeys(name for trial in trials for name in trial.params))  # the space's order
     best = _best(study)
     header = ["trial", "state", metric, *names, "steps", "time", "runs"]
     rows = []
@@ -70,8 +70,8 @@ def write(study, settings, study_dir: Path, plots: bool) -> str:
     counts = {}
     for trial in trials:
         counts[trial.state.name] = counts.get(trial.state.name, 0) + 1
-    summary = [f"study {settings.study_name!r} in {settings.storage_url}: {len(trials)} of {settings.max_trials} trials "
-               f"({', '.join(f'{count} {state.lower()}' for state, count in sorted(counts.items()))}); "
+    summary = [f"study {settings.study_name!r} in {settings.storage_url}: {len(trials)} of {settings.max_trials} "
+               f"trials ({', '.join(f'{count} {state.lower()}' for state, count in sorted(counts.items()))}); "
                f"{settings.metric}, {settings.direction}"]
     if best is not None:
         values = ", ".join(f"{name}={short(value)}" for name, value in best.params.items())

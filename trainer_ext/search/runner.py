@@ -135,7 +135,7 @@ class Search:
         if count >= self.settings.max_trials or self.failures >= FAILURES_IN_A_ROW:
             return None
         distributions = {name: param.distribution() for name, param in self.settings.space.items()}
-        trial = with_sampler(self.study, self.settings, count).ask(distributions)
+        trial = with_sampler(self.database, self.settings, count).ask(distributions)
         return Trial(trial.number, trial_id(trial), dict(trial.params))
 
     def _start(self, trial: Trial, devices) -> None:

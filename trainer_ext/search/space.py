@@ -124,7 +124,8 @@ def read_search(section, where: str, types: dict, *, metrics=None, has_deepspeed
             texts[key] = None
     if isinstance(texts["storage"], str) and "://" not in texts["storage"]:
         problems.append(f"{where}: storage: {texts['storage']!r} is not an SQLAlchemy URL (e.g. "
-                        "postgresql://user@host/db, sqlite:////abs/path/study.db); leave it out for SQLite in study_dir")
+                        "postgresql://user@host/db, sqlite:////abs/path/study.db); leave it out for SQLite in "
+                        "study_dir")
     if texts["study_dir"] and folder is not None:
         import os
 
@@ -198,7 +199,8 @@ def _check_backend_path(path: str, where: str, problems: list[str]) -> None:
         problems.append(f"{where}: give a key of the DeepSpeed config after 'deepspeed.', e.g. "
                         "deepspeed.zero_optimization.stage")
     elif parts[0] not in KNOWN_TOP_LEVEL_KEYS:
-        problems.append(f"{where}: {parts[0]!r} is not a DeepSpeed config key" + closest(parts[0], KNOWN_TOP_LEVEL_KEYS))
+        problems.append(f"{where}: {parts[0]!r} is not a DeepSpeed config key"
+                        + closest(parts[0], KNOWN_TOP_LEVEL_KEYS))
     elif parts[0] in SECTION_KEYS and len(parts) > 1 and parts[1] not in SECTION_KEYS[parts[0]]:
         problems.append(f"{where}: {parts[1]!r} is not a key of DeepSpeed's {parts[0]}"
                         + closest(parts[1], SECTION_KEYS[parts[0]]))

@@ -65,14 +65,14 @@ def quiet_optuna() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
-def open_study(settings, database, trials_so_far: int = 0):
+def open_study(settings, database):
     """Create the study, or continue it when it exists and searches the same space for the same metric."""
     import optuna
 
     quiet_optuna()
     study = optuna.create_study(storage=database, study_name=settings.study_name, direction=settings.direction,
                                 load_if_exists=True, pruner=build("pruner", settings.pruner),
-                                sampler=sampler(settings.sampler, trials_so_far, settings.parallel_trials))
+                                sampler=sampler(settings.sampler, 0, settings.parallel_trials))
     recorded = {"space": settings.to_dict()["space"], "metric": settings.metric, "direction": settings.direction}
     for key, value in recorded.items():
         before = study.user_attrs.get(key)
@@ -85,11 +85,12 @@ def open_study(settings, database, trials_so_far: int = 0):
     return study
 
 
-def with_sampler(study, settings, trials_so_far: int):
-    """The same study, asking with a sampler seeded for its next trial."""
+def with_sampler(database, settings, trials_so_far: int):
+    """The study, asking with a sampler seeded for its next trial (the pruner too: TPE samples within a Hyperband
+    bracket)."""
     import optuna
 
-    return optuna.load_study(study_name=study.study_name, storage=study._storage, pruner=study.pruner,
+    return optuna.load_study(study_name=settings.study_name, storage=database, pruner=build("pruner", settings.pruner),
                              sampler=sampler(settings.sampler, trials_so_far, settings.parallel_trials))
 
 
