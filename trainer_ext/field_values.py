@@ -42,7 +42,8 @@ def read_as(value, hint, choices=None):
         if value is False and "no" in choices:  # YAML 1.1 reads an unquoted `no` as false
             value = "no"
         if value not in choices:
-            raise WrongType(f"expected one of {', '.join(map(str, choices))}, got {value!r}" + did_you_mean(value, choices))
+            raise WrongType(f"expected one of {', '.join(map(str, choices))}, got {value!r}"
+                            + did_you_mean(value, choices))
         return value
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in UNIONS:

@@ -61,11 +61,18 @@ class PreemptionCallback(TrainerCallback):
                        signal.Signals(signum).name)
 
     def on_step_end(self, args, state, control, **kwargs):
-        flag = torch.tensor([float(self.received)], device=args.device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if flag.item() > 0:
-            self.signum = int(flag.item())
+        signum = max_over_ranks(self.received, args.device)
+        if signum > 0:
+            self.signum = int(signum)
             control.should_save = True
             control.should_training_stop = True
         return control
+
+
+def max_over_ranks(value: float, device) -> float:
+    """The largest of every rank's `value` (a decision one rank took that all must follow); `value` alone in one
+    process."""
+    flag = torch.tensor([float(value)], device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return flag.item()

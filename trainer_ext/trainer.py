@@ -21,6 +21,7 @@ from .errors import UserError, exits_on_user_error
 from .preemption import Preempted, PreemptionCallback
 from .runtime import (check_process_group, quiet_deepspeed_on_cpu_machines, release_at_exit,
                       share_cores_between_cpu_ranks)
+from .search.callback import trial_callback
 from .settings import OptimizerSettings, SchedulerSettings
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ class ExtTrainer(Trainer):
         self.training_already_complete = None  # the checkpoint a re-run found complete (train() then trains nothing)
         self.preemption = PreemptionCallback()
         self.add_callback(self.preemption)
+        self.search_trial = trial_callback()  # inside `trainer-ext search`: evaluations reach the study's pruner
+        if self.search_trial is not None:
+            self.add_callback(self.search_trial)
         progress.install(self)  # main process: bar with samples/s and ETA; resolved settings printed at start
 
     # -- losses ----------------------------------------------------------------------------------------
@@ -277,6 +281,8 @@ class ExtTrainer(Trainer):
             saved = newest_valid_checkpoint(self.args.output_dir)
             logger.warning("preempted: checkpoint %s written; run the same command again to resume", saved)
             raise Preempted(self.preemption.signum, saved)
+        if self.search_trial is not None:
+            self.search_trial.stop_if_pruned()  # after its checkpoint: the search records the trial as pruned
         if self.is_world_process_zero():
             Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
             self.backend.save_settings(self.args.output_dir)

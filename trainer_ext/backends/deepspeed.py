@@ -143,7 +143,8 @@ class DeepSpeedBackend(Backend):
         return engine.get_lr()[0] if hasattr(engine, "get_lr") else None
 
     def describe(self) -> str:
-        return "deepspeed ZeRO-%s" % (self.resolution.config["zero_optimization"].get("stage") if self.resolution else "?")
+        stage = self.resolution.config["zero_optimization"].get("stage") if self.resolution else "?"
+        return f"deepspeed ZeRO-{stage}"
 
     def settings_lines(self) -> list[str]:
         if self.resolution is None:

@@ -13,6 +13,7 @@ from ..errors import ArgumentsError
 from .common import REPO, ModelArguments, first, load_config, load_tokenizer, shipped_model, train_and_save
 
 SHIPPED_DATA = REPO / "data" / "classification"
+EVAL_METRICS = ("loss", "accuracy")  # what evaluation reports (eval_*): `trainer-ext search` checks its metric
 SPLITS = ("train", "validation", "test")
 
 __all__ = ["ModelArguments", "DataArguments", "run"]

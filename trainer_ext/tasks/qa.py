@@ -18,6 +18,7 @@ from .common import REPO, ModelArguments, first, load_config, load_tokenizer, sh
 logger = logging.getLogger(__name__)
 
 SHIPPED_DATA = REPO / "data" / "qa"
+EVAL_METRICS = ("loss", "exact_match", "f1", "has_answer_exact_match", "has_answer_f1", "no_answer_exact_match")
 # Prediction-only columns of the validation features: post-processing needs them, the model must not see them.
 FEATURE_METADATA = ["example_id", "offset_mapping", "cls_index"]
 

@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_DATA = REPO / "data" / "translation"
+EVAL_METRICS = ("loss", "bleu", "gen_len")  # bleu and gen_len with --predict_with_generate
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spiece.model")
 # Every dropout probability name used by the configs this task builds (BERT, BART, Marian, T5, encoder-decoder).

@@ -1,0 +1,221 @@
+"""`trainer-ext search`: trials of the shipped classification task run as real `trainer-ext train` processes under
+their launcher, the pruner stops weak ones after a checkpoint, the best model is kept, a killed search continues its
+interrupted trial without losing or repeating one, and a broken search section is refused before anything trains."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import BIN, REPO, clean_env, run
+from trainer_ext.checkpoint import newest_valid_checkpoint
+from trainer_ext.experiment import argument_classes, flag_types
+from trainer_ext.search.space import read_search
+
+optuna = pytest.importorskip("optuna")  # trainer_ext[search], in the test extra
+TRAINER_EXT = BIN / "trainer-ext"
+ENV = {"HF_HUB_OFFLINE": "1"}
+LEARNING_RATE = {"type": "log_float", "low": 1.0e-5, "high": 1.0e-3}
+
+
+def tiny_search(tmp_path, search, backend=None, **hyperparameters):
+    """The shipped classification experiment with one transformer layer and 32 samples, evaluated and checkpointed
+    every 2 steps, and the `search` section given."""
+    values = yaml.safe_load((REPO / "experiments" / "classification.yaml").read_text())
+    values.pop("deepspeed")
+    values.update(backend or {})
+    values["hyperparameters"].update({
+        "config": {"num_hidden_layers": 1}, "output_dir": str(tmp_path / "out"), "max_steps": 6,
+        "per_device_train_batch_size": 4, "per_device_eval_batch_size": 16, "logging_steps": 2,
+        "eval_strategy": "steps", "eval_steps": 2, "save_strategy": "steps", "save_steps": 2, "disable_tqdm": True,
+        **hyperparameters})
+    values["data"].update(max_train_samples=32, max_eval_samples=16, max_seq_length=32)
+    for split in ("train", "validation", "test"):
+        values["data"][f"{split}_file"] = str(REPO / "data" / "classification" / f"{split}.jsonl")
+    values["search"] = {"metric": "accuracy", "sampler": {"type": "random", "seed": 0}, **search}
+    path = tmp_path / "search.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def study(tmp_path, name="search"):
+    folder = tmp_path / "out" / "search"
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{folder}/study.db"), folder
+
+
+def runs_in(log: Path) -> int:
+    return log.read_text().count("=== trainer-ext search: trial")
+
+
+def test_six_trial_search_prunes_keeps_the_best_and_never_runs_a_trial_twice(tmp_path):
+    """Each trial trains with its values; one the pruner rejects stops at that evaluation after a checkpoint; only the
+    best trial keeps its model; table and plots are written; the same command again trains nothing."""
+    # No accuracy reaches 1.01: a trial evaluated at step 4 is pruned there, one of 2 steps completes.
+    path = tiny_search(tmp_path, {"max_trials": 6, "parallel_trials": 2,
+                                  "pruner": {"type": "threshold", "lower": 1.01, "n_warmup_steps": 4},
+                                  "space": {"learning_rate": LEARNING_RATE, "max_steps": [2, 6]}})
+    out = run([TRAINER_EXT, "search", path], env=ENV, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    found, folder = study(tmp_path)
+    trials = found.get_trials()
+    assert [trial.number for trial in trials] == list(range(6))
+    states = optuna.trial.TrialState
+    for trial in trials:
+        log = (folder / f"trial-{trial.number}" / "trial.log").read_text()
+        assert f"--learning_rate {trial.params['learning_rate']!r} --max_steps {trial.params['max_steps']}" in log
+        if trial.params["max_steps"] == 6:
+            assert trial.state == states.PRUNED and sorted(trial.intermediate_values) == [2, 4], log[-2000:]
+            assert f"search trial {trial.number} pruned at step 4" in log and "'epoch': '0.75'" not in log
+        else:
+            assert trial.state == states.COMPLETE, log[-2000:]
+            results = json.loads((folder / f"trial-{trial.number}" / "eval_results.json").read_text())
+            assert trial.value == results["eval_accuracy"]
+    assert {trial.state for trial in trials} == {states.COMPLETE, states.PRUNED}  # the seed draws both
+    best = found.best_trial
+    assert (folder / "best").resolve() == folder / f"trial-{best.number}"
+    assert (folder / "best" / "model.safetensors").is_file()
+    for trial in trials:
+        kept = list((folder / f"trial-{trial.number}").glob("checkpoint-*")) + \
+            list((folder / f"trial-{trial.number}").glob("model*.safetensors"))
+        assert bool(kept) == (trial.number == best.number)
+    table = (folder / "search_results.md").read_text()
+    assert "| trial | state" in table and f"| {best.number} " in table and "COMPLETE (best)" in table
+    assert sum(line.startswith("| ") for line in table.splitlines()) == 7
+    for plot in ("optimization_history.png", "param_importances.png", "intermediate_values.png"):
+        assert (folder / plot).stat().st_size > 1000
+
+    again = run([TRAINER_EXT, "search", path], env=ENV, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert " starts:" not in again.stdout and " continues:" not in again.stdout
+    assert [runs_in(folder / f"trial-{n}" / "trial.log") for n in range(6)] == [1] * 6
+
+
+def test_a_killed_two_rank_search_continues_its_interrupted_trial_from_its_checkpoint(tmp_path):
+    """--launcher deepspeed --num_gpus 2, then SIGKILL to the search's process group mid-trial: both ranks still
+    checkpoint and stop (the trial's guard gets SIGTERM; deepspeed's runner passes nothing on); the same command
+    continues that trial with its values and its ZeRO stage from its checkpoint, and adds no trial."""
+    path = tiny_search(tmp_path, {"max_trials": 1, "metric": "loss", "space": {
+        "deepspeed.zero_optimization.stage": [1, 2], "learning_rate": LEARNING_RATE}},
+        backend={"deepspeed": "zero2_minimal"}, max_steps=10, per_device_train_batch_size=2)
+    command = [str(TRAINER_EXT), "search", str(path), "--launcher", "deepspeed", "--num_gpus", "2"]
+    with open(tmp_path / "first.log", "w") as log:
+        search = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                  env={**clean_env(), **ENV}, start_new_session=True)
+    trial_dir = tmp_path / "out" / "search" / "trial-0"
+    deadline = time.time() + 600
+    while not list(trial_dir.glob("checkpoint-*")):
+        assert search.poll() is None and time.time() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(0.1)
+    os.killpg(search.pid, signal.SIGKILL)
+    search.wait()
+    while "preempted: checkpoint" not in (trial_dir / "trial.log").read_text():
+        assert time.time() < deadline, (trial_dir / "trial.log").read_text()[-3000:]
+        time.sleep(0.2)
+    found, folder = study(tmp_path)
+    values = found.trials[0].params
+    assert found.trials[0].state == optuna.trial.TrialState.RUNNING
+    saved = newest_valid_checkpoint(trial_dir)
+    assert 2 <= int(saved.name.split("-")[1]) < 10, "the kill must land mid-trial for this test to mean anything"
+
+    again = run(command, env=ENV, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "trial 0 continues" in again.stdout
+    found, _ = study(tmp_path)
+    assert len(found.trials) == 1 and found.trials[0].state == optuna.trial.TrialState.COMPLETE
+    assert found.direction == optuna.study.StudyDirection.MINIMIZE
+    assert found.trials[0].params == values and found.trials[0].user_attrs["runs"] == 2
+    log = (trial_dir / "trial.log").read_text()
+    assert runs_in(trial_dir / "trial.log") == 2 and f"resuming from {saved}" in log
+    assert json.loads((trial_dir / "trainer_state.json").read_text())["global_step"] == 10
+    stage = json.loads((trial_dir / "ds_config.resolved.json").read_text())["zero_optimization"]["stage"]
+    assert stage == values["deepspeed.zero_optimization.stage"] and f"ZeRO-{stage} on 2 rank(s)" in log
+
+
+def test_the_shipped_search_section_is_valid():
+    """`trainer-ext search experiments/classification.yaml` must work on first try."""
+    values = yaml.safe_load((REPO / "experiments" / "classification.yaml").read_text())
+    problems = []
+    settings = read_search(values["search"], "classification.yaml: search",
+                           flag_types(argument_classes("classification")), metrics=("loss", "accuracy"),
+                           has_deepspeed=True, problems=problems)
+    assert problems == [] and settings.metric == "eval_accuracy" and settings.direction == "maximize"
+    assert settings.pruner == {"type": "hyperband"} and "deepspeed.zero_optimization.stage" in settings.space
+
+
+def test_a_bad_search_section_is_named_line_by_line():
+    """Each mistake in a search section is one line with the closest valid key or value (was: none of it checked)."""
+    section = {"metrc": "accuracy", "metric": "acuracy", "direction": "maximise", "max_trials": 0,
+               "sampler": {"type": "tpee"}, "pruner": {"type": "hyperband", "min_resourse": 2},
+               "space": {"learnin_rate": LEARNING_RATE, "lr": LEARNING_RATE,
+                         "warmup_steps": {"type": "log_float", "low": 0, "high": 3},
+                         "per_device_train_batch_size": {"type": "float", "low": 4, "high": 16},
+                         "deepspeed.zero_optimisation.stage": [1, 2],
+                         "max_grad_norm": {"typ": "float", "low": 1, "high": 2},
+                         "adam_beta1": {"type": "float", "low": 0.9, "high": 0.8, "chioces": [1]},
+                         "lr_scheduler_type": ["linear", "cosinus"], "output_dir": ["a", "b"]}}
+    problems = []
+    read_search(section, "exp.yaml: search", flag_types(argument_classes("classification")),
+                metrics=("loss", "accuracy"), has_deepspeed=True, problems=problems)
+    where = "exp.yaml: search.space:"
+    assert problems[:10] == [
+        "exp.yaml: search: unknown key 'metrc' (did you mean 'metric'?)",
+        f"{where} learnin_rate: not a flag of the task's model, data or training arguments (did you mean "
+        "'learning_rate'?)",
+        f"{where} lr: not a flag of the task's model, data or training arguments (did you mean 'learning_rate'?)",
+        f"{where} warmup_steps: low 0.0: a log_float range starts above 0",
+        f"{where} per_device_train_batch_size: type float, but the flag takes an integer; use type int",
+        f"{where} deepspeed.zero_optimisation.stage: 'zero_optimisation' is not a DeepSpeed config key (did you mean "
+        "'zero_optimization'?)",
+        f"{where} max_grad_norm: unknown key 'typ' (did you mean 'type'?)",
+        f"{where} max_grad_norm: no type (one of float, log_float, int, categorical)",
+        f"{where} adam_beta1: unknown key 'chioces' (did you mean 'choices'?)",
+        f"{where} adam_beta1: low 0.9 must be below high 0.8"]
+    assert problems[10].startswith(f"{where} lr_scheduler_type: choices: expected one of linear, cosine")
+    assert problems[10].endswith("got 'cosinus' (did you mean 'cosine'?)")
+    assert problems[11:] == [
+        f"{where} output_dir: not searchable: each trial trains in <study_dir>/trial-N",
+        "exp.yaml: search: metric: 'acuracy' is not a metric the task evaluates (loss, accuracy) (did you mean "
+        "'accuracy'?)",
+        "exp.yaml: search: direction: expected one of maximize, minimize, got 'maximise' (did you mean 'maximize'?)",
+        "exp.yaml: search: max_trials: 0 must be at least 1",
+        "exp.yaml: search: sampler: type: expected one of tpe, random, got 'tpee' (did you mean 'tpe'?)",
+        "exp.yaml: search: pruner: hyperband: unknown key 'min_resourse' (did you mean 'min_resource'?)"]
+
+
+def test_a_broken_search_exits_2_before_anything_trains(tmp_path):
+    """File, section, flag, launcher and value problems (batch 0, ZeRO stage 4) at once, exit 2, before any study."""
+    path = tiny_search(tmp_path, {"pruner": "hyperband", "space": {
+        "per_device_train_batch_size": {"type": "int", "low": 0, "high": 16},
+        "deepspeed.zero_optimization.stage": [2, 4], "learning_rate": LEARNING_RATE}},
+        backend={"deepspeed": "zero2_minimal"}, eval_strategy="no")
+    out = run([TRAINER_EXT, "search", path, "--learning_rate", "1e-4", "--max_step", "3", "--launcher", "torchrn"],
+              env=ENV)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = out.stderr.splitlines()
+    assert lines[0] == "trainer-ext search: error: unrecognized argument --max_step (did you mean --max_steps?)"
+    assert lines[1:] == [
+        f"{path}: search: pruner: hyperband stops weak trials on evaluations during training, and "
+        "hyperparameters.eval_strategy is no: set eval_strategy: steps and eval_steps (or epoch)",
+        f"{path}: search.space: learning_rate: searched, and also given as --learning_rate on the command line: "
+        "drop one",
+        "--launcher torchrn: expected one of python, torchrun, deepspeed, torch.distributed.launch (did you mean "
+        "'torchrun'?)",
+        "nothing was trained"]
+    assert not (tmp_path / "out").exists()
+
+    path = tiny_search(tmp_path, {"space": {"per_device_train_batch_size": {"type": "int", "low": 0, "high": 16},
+                                            "deepspeed.zero_optimization.stage": [2, 4]}},
+                       backend={"deepspeed": "zero2_minimal"})
+    out = run([TRAINER_EXT, "search", path], env=ENV)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = out.stderr.replace("trainer-ext search: error: ", "").splitlines()
+    assert f"{path}: search.space: per_device_train_batch_size = 0: --per_device_train_batch_size 0: must be a " \
+           "positive integer" in lines
+    assert f"{path}: search.space: deepspeed.zero_optimization.stage = 4: zero_optimization.stage must be 0, 1, 2 " \
+           "or 3, got 4" in lines
+    assert not (tmp_path / "out").exists()

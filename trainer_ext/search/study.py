@@ -1,0 +1,132 @@
+"""The Optuna side of a search: the storage (SQLite by default, any SQLAlchemy URL), samplers and pruners by name, the
+study with its space recorded, and which process owns a RUNNING trial."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import socket
+import warnings
+
+from ..errors import UserError
+from ..field_values import did_you_mean
+
+SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler"}
+PRUNERS = {"none": "NopPruner", "median": "MedianPruner", "percentile": "PercentilePruner",
+           "successive_halving": "SuccessiveHalvingPruner", "hyperband": "HyperbandPruner",
+           "threshold": "ThresholdPruner"}
+REGISTRIES = {"sampler": SAMPLERS, "pruner": PRUNERS}
+SQLITE_WAIT_S = 60  # trials and the search write to one SQLite file; a writer waits for the lock this long
+
+
+class OptionError(ValueError):
+    """Options the sampler's or pruner's class does not take, one line each."""
+
+
+def build(kind: str, spec: dict, **extra):
+    """A sampler or pruner from {type: name, option: value, ...}; `extra` are options the search adds (seed)."""
+    import optuna
+
+    cls = getattr(optuna.samplers if kind == "sampler" else optuna.pruners, REGISTRIES[kind][spec["type"]])
+    options = {key: value for key, value in spec.items() if key != "type"}
+    valid = [name for name in inspect.signature(cls).parameters if name not in ("self", "args", "kwargs")]
+    unknown = [f"{spec['type']}: unknown key {key!r}" + did_you_mean(key, valid) for key in options if key not in valid]
+    if unknown:
+        raise OptionError("\n".join(unknown))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return cls(**{**options, **extra})
+
+
+def sampler(spec: dict, trials_so_far: int, parallel_trials: int):
+    """A sampler seeded for the next trial: a resumed search draws what an uninterrupted one would, not the first
+    trial's values again; several trials at a time make TPE assume the running ones' results (constant liar)."""
+    extra = {}
+    if "seed" in spec:
+        extra["seed"] = int(spec["seed"]) + trials_so_far
+    if spec["type"] == "tpe" and parallel_trials > 1 and "constant_liar" not in spec:
+        extra["constant_liar"] = True
+    return build("sampler", spec, **extra)
+
+
+def storage(url: str):
+    import optuna
+
+    if url.startswith("sqlite:///"):
+        os.makedirs(os.path.dirname(url[len("sqlite:///"):]) or ".", exist_ok=True)
+    kwargs = {"connect_args": {"timeout": SQLITE_WAIT_S}} if url.startswith("sqlite") else {}
+    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+
+
+def quiet_optuna() -> None:
+    """Optuna logs each trial at INFO; the search prints its own lines."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def open_study(settings, database):
+    """Create the study, or continue it when it exists and searches the same space for the same metric."""
+    import optuna
+
+    quiet_optuna()
+    study = optuna.create_study(storage=database, study_name=settings.study_name, direction=settings.direction,
+                                load_if_exists=True, pruner=build("pruner", settings.pruner),
+                                sampler=sampler(settings.sampler, 0, settings.parallel_trials))
+    recorded = {"space": settings.to_dict()["space"], "metric": settings.metric, "direction": settings.direction}
+    for key, value in recorded.items():
+        before = study.user_attrs.get(key)
+        if before is None:
+            study.set_user_attr(key, value)
+        elif before != value:
+            raise UserError(f"search: the study {settings.study_name!r} in {settings.storage_url} was made with "
+                            f"{key} {before}, and the file now says {value}: give a new study_name (or study_dir) to "
+                            "start another study, or restore the section to continue this one")
+    return study
+
+
+def with_sampler(database, settings, trials_so_far: int):
+    """The study, asking with a sampler seeded for its next trial (the pruner too: TPE samples within a Hyperband
+    bracket)."""
+    import optuna
+
+    return optuna.load_study(study_name=settings.study_name, storage=database, pruner=build("pruner", settings.pruner),
+                             sampler=sampler(settings.sampler, trials_so_far, settings.parallel_trials))
+
+
+def trial_id(frozen) -> int:
+    """Optuna keeps a trial's storage id private; the trial's process and the search address it by that id."""
+    return frozen._trial_id
+
+
+def running_trial(url: str, study_name: str, trial: int, pruner: dict):
+    """Inside a trial's process: its Optuna trial (by storage id), to report evaluations and ask the pruner."""
+    import optuna
+
+    quiet_optuna()
+    study = optuna.load_study(study_name=study_name, storage=storage(url), pruner=build("pruner", pruner),
+                              sampler=optuna.samplers.RandomSampler())
+    return optuna.trial.Trial(study, trial)
+
+
+# -- which process owns a trial ----------------------------------------------------------------------------
+def this_process(pid: int | None = None) -> dict:
+    """Identity of a process on this machine that survives pid reuse: host, pid and start time."""
+    import psutil
+
+    process = psutil.Process(pid)
+    return {"host": socket.gethostname(), "pid": process.pid, "started": process.create_time()}
+
+
+def alive(record: dict | None) -> bool | None:
+    """Whether the process recorded is still running; None when it runs on another machine (we cannot tell)."""
+    import psutil
+
+    if not record:
+        return False
+    if record.get("host") != socket.gethostname():
+        return None
+    try:
+        return abs(psutil.Process(record["pid"]).create_time() - record["started"]) < 0.01
+    except psutil.Error:
+        return False
