@@ -52,6 +52,8 @@ def runs_in(log: Path) -> int:
     return log.read_text().count("=== trainer-ext search: trial")
 
 
+@pytest.mark.launch
+@pytest.mark.model_package
 def test_six_trial_search_prunes_keeps_the_best_and_never_runs_a_trial_twice(tmp_path):
     """Each trial trains with its values; one the pruner rejects stops at that evaluation after a checkpoint; only the
     best trial keeps its model; table and plots are written; the same command again trains nothing."""
@@ -95,6 +97,9 @@ def test_six_trial_search_prunes_keeps_the_best_and_never_runs_a_trial_twice(tmp
     assert [runs_in(folder / f"trial-{n}" / "trial.log") for n in range(6)] == [1] * 6
 
 
+@pytest.mark.launch
+@pytest.mark.deepspeed
+@pytest.mark.model_package
 def test_a_killed_two_rank_search_continues_its_interrupted_trial_from_its_checkpoint(tmp_path):
     """--launcher deepspeed --num_gpus 2, then SIGKILL to the search's process group mid-trial: both ranks still
     checkpoint and stop (the trial's guard gets SIGTERM; deepspeed's runner passes nothing on); the same command
@@ -187,6 +192,7 @@ def test_a_bad_search_section_is_named_line_by_line():
         "exp.yaml: search: pruner: hyperband: unknown key 'min_resourse' (did you mean 'min_resource'?)"]
 
 
+@pytest.mark.launch
 def test_a_broken_search_exits_2_before_anything_trains(tmp_path):
     """File, section, flag, launcher and value problems (batch 0, ZeRO stage 4) at once, exit 2, before any study."""
     path = tiny_search(tmp_path, {"pruner": "hyperband", "space": {
