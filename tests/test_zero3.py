@@ -3,17 +3,15 @@ them; checkpoints and output_dir holding a Hugging Face model; the same training
 resume on the same and on another world size; SIGTERM; evaluation; loading partitioned; the planner's bytes."""
 
 import json
-import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from conftest import (ACCUMULATE, BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, TINY_TRAIN,
-                      assert_same_training, clean_env, free_port, launch, logged, max_weight_difference, run,
-                      weights)
+                      assert_continues, assert_same_training, clean_env, copy_checkpoint, free_port, launch, logged,
+                      max_weight_difference, rank_process, run, weights)
 from trainer_ext.deepspeed_config import (PRESETS, DeepSpeedConfigError, explain, finish_deepspeed_config,
                                           resolve_deepspeed_config)
 
@@ -137,12 +135,6 @@ def test_every_checkpoint_and_the_output_dir_hold_a_loadable_model(accumulate_ru
     assert loaded.returncode == 0 and loaded.stdout.count("loaded 22713986") == 2, loaded.stderr[-2000:]
 
 
-def copy_checkpoint(source, step, destination):
-    destination.mkdir()
-    shutil.copytree(source / f"checkpoint-{step}", destination / f"checkpoint-{step}")
-    return destination
-
-
 @pytest.fixture(scope="module")
 def resumed_on_one_rank(zero3_accumulate, tmp_path_factory):
     """checkpoint-6 of the 2-rank run resumed on 1 rank with the same global batch (it saves steps 9 and 12)."""
@@ -151,12 +143,6 @@ def resumed_on_one_rank(zero3_accumulate, tmp_path_factory):
                  "steps", "--save_steps", 3, ranks=1)
     assert "saved on 2 ranks, resuming on 1" in out.stdout + out.stderr
     return resumed
-
-
-def assert_continues(uninterrupted, resumed, first_step):
-    ours, theirs = logged(uninterrupted), logged(resumed)
-    assert max(abs(ours[s] - theirs[s]) for s in range(first_step, 13)) < 1e-5
-    assert max_weight_difference(uninterrupted, resumed) < 1e-5
 
 
 def test_checkpoint_from_2_ranks_resumes_on_1(zero3_accumulate, resumed_on_one_rank):
@@ -172,21 +158,6 @@ def test_checkpoint_from_1_rank_resumes_on_2(zero3_accumulate, resumed_on_one_ra
                  "no")
     assert "saved on 1 ranks, resuming on 2" in out.stdout + out.stderr
     assert_continues(zero3_accumulate, resumed, 10)
-
-
-def rank_process(launcher, rank, timeout=300):
-    import psutil
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for child in psutil.Process(launcher.pid).children(recursive=True):
-            try:
-                if "run_glue.py" in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank):
-                    return child
-            except psutil.Error:
-                continue
-        time.sleep(0.5)
-    raise TimeoutError(f"rank {rank} did not start")
 
 
 @pytest.fixture(scope="module")
