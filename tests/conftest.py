@@ -270,6 +270,40 @@ def assert_same_training(base, other, steps):
     assert max_weight_difference(base, other) < 1e-5
 
 
+def copy_checkpoint(source, step, destination):
+    """A new output_dir holding only checkpoint-<step> of `source`: the same command then resumes from it."""
+    import shutil
+
+    destination.mkdir()
+    shutil.copytree(source / f"checkpoint-{step}", destination / f"checkpoint-{step}")
+    return destination
+
+
+def assert_continues(uninterrupted, resumed, first_step, last_step=12):
+    """A resumed run's steps first_step..last_step and final weights equal the uninterrupted run's (1e-5)."""
+    ours, theirs = logged(uninterrupted), logged(resumed)
+    assert max(abs(ours[s] - theirs[s]) for s in range(first_step, last_step + 1)) < 1e-5
+    assert max_weight_difference(uninterrupted, resumed) < 1e-5
+
+
+def rank_process(launcher, rank: int, timeout=300, script="run_glue.py"):
+    """The process of `rank` among a launcher's children (to signal one rank)."""
+    import time
+
+    import psutil
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if script in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank):
+                    return child
+            except psutil.Error:
+                continue
+        time.sleep(0.5)
+    raise TimeoutError(f"rank {rank} did not start")
+
+
 # tests/scripts/record_order.py: a tiny model on a dataset that records the indices each rank loads.
 RECORD_ORDER = REPO / "tests" / "scripts" / "record_order.py"
 # A constant rate: a run stopped early by --max_steps then continued equals one run (the schedule does not depend

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from trainer_ext.deepspeed_config import DeepSpeedConfigError, PRESETS, explain, iter_fields, resolve_deepspeed_config
+from trainer_ext.deepspeed_config.keys import ZERO3_DEFAULTS
 
 FILES = [None, *sorted(PRESETS)]
 PRECISIONS = {"fp32": {}, "fp16": {"fp16": True}, "bf16": {"bf16": True}}
@@ -55,7 +56,7 @@ def test_resolved_config_is_accepted_by_deepspeed(deepspeed_accepts, world_size,
     expected_fp16 = precision == "fp16" or file == "zero2"
     assert parsed.float16_config.enabled is expected_fp16
     assert parsed.bfloat16_config.enabled is (precision == "bf16")
-    assert parsed.zero_optimization_stage == 2
+    assert parsed.zero_optimization_stage == (3 if file and file.startswith("zero3") else 2)
     assert parsed.gradient_clipping == 1.0
 
 
@@ -103,7 +104,7 @@ def test_zero_defaults_by_where_the_ranks_run(deepspeed_accepts, config, where, 
 
 def test_zero_values_the_user_wrote_are_kept(deepspeed_accepts):
     """A value in the file is the user's on any device; offload keeps contiguous gradients (DeepSpeed needs them);
-    ZeRO-3 fields are left to DeepSpeed."""
+    ZeRO-3 gets its own fields (tests/test_zero3.py), none of the ZeRO-1/2 ones tuned here."""
     written = {"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_scatter": True,
                                      "contiguous_gradients": True}}
     for cpu_ranks in (True, False):
@@ -114,7 +115,7 @@ def test_zero_values_the_user_wrote_are_kept(deepspeed_accepts):
         resolved = resolve_deepspeed_config({}, config, world_size=1, num_training_steps=10).config
         assert deepspeed_accepts(resolved, 1).zero_config.contiguous_gradients is True
     stage3 = resolve_deepspeed_config({}, {"zero_optimization": {"stage": 3}}, world_size=1, num_training_steps=10)
-    assert set(stage3.config["zero_optimization"]) == {"stage"}
+    assert set(stage3.config["zero_optimization"]) == {"stage", *ZERO3_DEFAULTS}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

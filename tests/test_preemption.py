@@ -8,11 +8,10 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from conftest import (BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, assert_same_training, clean_env,
-                      free_port)
+                      free_port, rank_process)
 from trainer_ext.checkpoint import MARKER, newest_valid_checkpoint, rotate
 from trainer_ext.data.samplers import ResumableBatchSampler
 
@@ -25,19 +24,6 @@ LAUNCHERS = {
                             GLUE],
 }
 BACKEND_FLAGS = {"ddp": [], "zero2": ["--deepspeed", "zero2_minimal"], "simple": ["--sharded_ddp", "simple"]}
-
-
-def rank_process(launcher: subprocess.Popen, rank: int, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for child in psutil.Process(launcher.pid).children(recursive=True):
-            try:
-                if "run_glue.py" in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank):
-                    return child
-            except psutil.Error:
-                continue
-        time.sleep(0.5)
-    raise TimeoutError(f"rank {rank} did not start")
 
 
 def command(backend, output_dir):

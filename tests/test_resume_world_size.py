@@ -1,26 +1,13 @@
 """A ZeRO-2 checkpoint resumes on a different number of ranks (2 -> 1, 1 -> 2) with its optimizer state
 re-partitioned (DeepSpeed's universal format), and with the same global batch continues the uninterrupted run."""
 
-import shutil
-
 import pytest
-from conftest import ACCUMULATE, launch, logged, max_weight_difference
+
+from conftest import ACCUMULATE, assert_continues, copy_checkpoint, launch, logged
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed, pytest.mark.model_package]
 
 ZERO2 = ["--deepspeed", "zero2_minimal"]
-
-
-def copy_checkpoint(source, step, destination):
-    destination.mkdir()
-    shutil.copytree(source / f"checkpoint-{step}", destination / f"checkpoint-{step}")
-    return destination
-
-
-def assert_continues(uninterrupted, resumed, first_step):
-    ours, theirs = logged(uninterrupted), logged(resumed)
-    assert max(abs(ours[s] - theirs[s]) for s in range(first_step, 13)) < 1e-5
-    assert max_weight_difference(uninterrupted, resumed) < 1e-5
 
 
 def test_zero2_from_2_ranks_resumes_on_1_then_resumes_again(accumulate_runs, tmp_path):

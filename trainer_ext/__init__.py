@@ -1,4 +1,4 @@
-"""trainer_ext: one transformers training script for one CPU, N GPUs with DeepSpeed ZeRO-2, or FairScale
+"""trainer_ext: one transformers training script for one CPU, N GPUs with DeepSpeed ZeRO-2/3, or FairScale
 sharded DDP. Heavy names load on first use, so `trainer_ext.deepspeed_config` imports without torch."""
 
 from importlib import import_module
@@ -19,6 +19,7 @@ _LAZY = {
     "DeepSpeedConfigError": ".deepspeed_config",
     "ArgumentsError": ".errors",
     "Preempted": ".preemption",
+    "sharded_loading": ".backends.deepspeed",
 }
 __all__ = sorted(_LAZY)
 

@@ -174,6 +174,7 @@ class ExtTrainingArguments(TrainingArguments):
         self.check_paths()
         prepare_cpu_ranks(self)
         super().__post_init__()
+        backend_class(self).arguments_ready(self)
 
     @property
     def place_model_on_device(self):

@@ -170,7 +170,8 @@ def model_fingerprint(model) -> dict:
     return {
         "model_class": type(model).__name__,
         "model_type": getattr(config, "model_type", None),
-        "num_parameters": sum(p.numel() for p in model.parameters()),
+        # Under ZeRO-3 a parameter's numel is its gathered size only while gathered; ds_numel is always the whole.
+        "num_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
     }
 
 

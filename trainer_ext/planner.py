@@ -1,4 +1,4 @@
-"""Predict per-rank training memory for each backend (DDP, DeepSpeed ZeRO-1/2/3, ZeRO-2 offload, FairScale `simple`,
+"""Predict per-rank training memory for each backend (DDP, DeepSpeed ZeRO-1/2/3, ZeRO-2/3 offload, FairScale `simple`,
 `zero_dp_2`, `zero_dp_3`) from a model's parameter count, and pick the cheapest one that fits a device; pure (no torch).
 
 Model states follow the ZeRO paper (Rajbhandari et al., 2020, section 3.1) with Ψ parameters on N ranks, Adam:
@@ -45,6 +45,7 @@ class BackendFormula:
     optimizer: tuple[float, bool]
     communication: float  # volume per step relative to DDP's all-reduce (ZeRO paper, section 7)
     host_optimizer: bool = False  # optimizer state and gradient partition live in CPU memory
+    host_params: bool = False  # the parameter partitions live in CPU memory too (ZeRO-3 offload)
     cuda_only: bool = False
     note: str = ""
     preference: int = 0  # the planner recommends the lowest that fits
@@ -114,7 +115,7 @@ def activation_bytes(size: ModelSize, batch_size: int, seq_length: int, mixed: b
 def plan(size: ModelSize, world_size: int, precision: str = "fp32", offload: bool = False,
          batch_size: int = 8, seq_length: int = 512, device_memory: float | None = None) -> Plan:
     """Per-rank bytes for every backend; `device_memory` (bytes) marks which fit and `cheapest_fitting()` names the
-    first in order of preference; ZeRO-2 with offload is a candidate only with `offload`."""
+    first in order of preference; ZeRO-2 and ZeRO-3 with offload are candidates only with `offload`."""
     problems = []
     if not isinstance(world_size, int) or world_size < 1:
         problems.append(f"--world_size must be a positive integer, got {world_size!r}")
@@ -134,6 +135,9 @@ def plan(size: ModelSize, world_size: int, precision: str = "fp32", offload: boo
         if formula.host_optimizer:
             host = terms["grads"] + terms["optimizer"]
             terms["grads"] = terms["optimizer"] = 0.0
+        if formula.host_params:
+            host += terms["params"]
+            terms["params"] = 0.0
         for part, extra in (formula.extra(size.num_parameters, world_size) if formula.extra else {}).items():
             terms[part] += extra
         estimates.append(Estimate(formula.name, formula.flag, terms["params"], terms["grads"], terms["optimizer"],
@@ -324,7 +328,7 @@ def render(result: Plan) -> str:
     lines += [f"{e.backend}: {e.note}" for e in result.estimates if e.note]
     lines += [f"note: {note}" for note in result.notes]
     if result.device_memory is not None and not result.offload and result.cheapest_fitting() is None:
-        lines.append("note: without --offload, ZeRO-2 with the optimizer in CPU memory is not considered")
+        lines.append("note: without --offload, ZeRO-2 and ZeRO-3 with offload to CPU memory are not considered")
     if result.device_memory is not None:
         best = result.cheapest_fitting()
         if best is None:

@@ -1,6 +1,8 @@
 """Train a BERT built from a config (no model package, no network) on seeded random token ids with ExtTrainer and
 ExtTrainingArguments, under any launcher and backend: the model for tests that must run on a GPU machine that has
-only the repository. `--model_size tiny|small` picks the shape; every other flag is an ExtTrainingArguments flag.
+only the repository. `--model_size tiny|small` picks the shape, `--head lm` a masked-LM
+head (its decoder tied to the word embeddings) trained to repeat each token, `--report_dir` writes each rank's
+model-state bytes there (benchmarks/memory.py); every other flag is an ExtTrainingArguments flag.
 The final model, train_results.json (train_loss, ...) and trainer_state.json (per-step losses and gradient norms) go to
 output_dir.
 TINY_TRAIN_NONFINITE_STEPS="3" (or "3-": from step 3 on) makes the logits of those optimizer steps infinite, so their
@@ -13,7 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import BertConfig, BertForSequenceClassification
+from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from transformers import TrainerCallback  # noqa: E402
@@ -29,16 +31,18 @@ own = argparse.ArgumentParser(add_help=False)
 own.add_argument("--model_size", choices=sorted(SHAPES), default="tiny")
 own.add_argument("--num_samples", type=int, default=512)
 own.add_argument("--seq_length", type=int, default=16)
+own.add_argument("--head", choices=("classification", "lm"), default="classification")
+own.add_argument("--report_dir")
 mine, rest = own.parse_known_args()
 (args,) = ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses(rest)
 
 torch.manual_seed(0)
 shape = SHAPES[mine.model_size]
 config = BertConfig(**shape, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-model = BertForSequenceClassification(config)
+model = (BertForMaskedLM if mine.head == "lm" else BertForSequenceClassification)(config)
 generator = torch.Generator().manual_seed(1)
 ids = torch.randint(1, shape["vocab_size"], (mine.num_samples, mine.seq_length), generator=generator)
-labels = (ids[:, 0] > shape["vocab_size"] // 2).long()  # a signal the model can learn
+labels = ids if mine.head == "lm" else (ids[:, 0] > shape["vocab_size"] // 2).long()  # a signal the model can learn
 train = [{"input_ids": ids[i], "labels": labels[i]} for i in range(len(ids))]
 
 class NonFiniteSteps(TrainerCallback):
@@ -58,8 +62,13 @@ class NonFiniteSteps(TrainerCallback):
 
 
 injected = os.environ.get("TINY_TRAIN_NONFINITE_STEPS")
-trainer = ExtTrainer(model=model, args=args, train_dataset=train,
-                     callbacks=[NonFiniteSteps(injected)] if injected else None)
+callbacks = [NonFiniteSteps(injected)] if injected else []
+if mine.report_dir:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from memory import ModelStateReport  # noqa: E402
+
+    callbacks.append(ModelStateReport(mine.report_dir))
+trainer = ExtTrainer(model=model, args=args, train_dataset=train, callbacks=callbacks or None)
 outcome = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
 trainer.save_model()
 trainer.save_state()  # trainer_state.json in output_dir: every logged loss and gradient norm

@@ -34,6 +34,11 @@ class Backend:
         that depend on this machine, and what the backend settles from the flags (written onto `args`)."""
 
     @classmethod
+    def arguments_ready(cls, args) -> None:
+        """The last step of ExtTrainingArguments, once transformers set the arguments up: what must exist before the
+        script loads its model."""
+
+    @classmethod
     def places_model_on_device(cls, args) -> bool | None:
         """transformers' `place_model_on_device` hook: False when the backend must receive the model where it was
         built; None lets transformers decide."""

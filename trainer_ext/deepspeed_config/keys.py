@@ -145,12 +145,46 @@ TUNED_ZERO = {
     },
 }
 # Values DeepSpeed itself uses for zero fields given as "auto" when no model is at hand.
-ZERO_AUTO_FALLBACK = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
+ZERO_AUTO_FALLBACK = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
+                      "stage3_param_persistence_threshold": 1e5}
+# transformers' rules (HfTrainerDeepSpeedConfig.trainer_config_finalize) from the model's hidden size h.
 HIDDEN_SIZE_AUTO = {
-    "reduce_bucket_size": lambda h: h * h,
-    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-    "stage3_param_persistence_threshold": lambda h: 10 * h,
+    "reduce_bucket_size": (lambda h: h * h, "h² elements"),
+    "stage3_prefetch_bucket_size": (lambda h: int(0.9 * h * h), "0.9·h² elements fetched ahead of use"),
+    "stage3_param_persistence_threshold": (lambda h: 10 * h, "parameters under 10·h elements stay whole on every "
+                                                             "rank (no fetch per use)"),
 }
+# ZeRO-3 fields filled when a file leaves them out or says "auto" (a value the user wrote is kept): key -> (value,
+# why); "auto" here means "from the model's hidden size" (HIDDEN_SIZE_AUTO). The rest stay DeepSpeed's own defaults
+# (stage3_max_live_parameters and stage3_max_reuse_distance 1e9, sub_group_size 1e9, overlap_comm on): the same as
+# transformers' documented ZeRO-3 template. Tuning them for speed needs a GPU measurement (README, ZeRO-3).
+ZERO3_DEFAULTS = {
+    **dict.fromkeys(("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"),
+                    ("auto", "sized from the model's hidden size h (transformers' rule)")),
+    "stage3_gather_16bit_weights_on_model_save": (True, "every checkpoint and output_dir hold the whole model as a "
+                                                        "Hugging Face model, gathered layer by layer into rank 0's CPU "
+                                                        "memory"),
+}
+# What ZeRO-3 costs where ZeRO-2 would fit, for --explain and trainer-ext plan (measured in issue 14).
+ZERO3_COST = ("parameters gathered per layer for every forward and backward (1.5x DDP's communication): measured "
+              "0.18x plain samples/s at DeepSpeed's defaults on one H100 (BERT-large, bf16); choose it when ZeRO-2 "
+              "does not fit (trainer-ext plan --device_memory tells)")
+# Keys DeepSpeed reads only at stage 3 (at stage 0-2 it ignores them), and the unprefixed names DeepSpeed also accepts
+# for stage-3 fields (renamed to the stage3_ spelling transformers and the presets use).
+STAGE3_ALIASES = {
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "model_persistence_threshold": "stage3_model_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "module_granularity_threshold": "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential": "stage3_allgather_sequential",
+}
+STAGE3_ONLY_KEYS = frozenset({*STAGE3_ALIASES.values(), "offload_param", "sub_group_size", "cpu_offload_param",
+                              "stage3_gather_fp16_weights_on_model_save", "zero_hpz_partition_size",
+                              "zero_quantized_weights", "zero_quantized_nontrainable_weights"})
 
 # Values transformers accepts at parse time and fails on later (a ZeroDivisionError at the first batch, torch's
 # "Invalid learning rate" once the model is loaded): flag -> (test, what the value must be).

@@ -17,6 +17,8 @@ PRESETS = {
     "zero2_offload": "zero2_offload.json",
     "zero2_minimal": "zero2_minimal.json",
     "zero2_auto": "zero2_auto.json",
+    "zero3": "zero3.json",
+    "zero3_offload": "zero3_offload.json",
 }
 
 

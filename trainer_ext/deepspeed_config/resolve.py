@@ -13,8 +13,8 @@ from typing import Any
 
 from .keys import (AUTO, DEEPSPEED_SCHEDULERS, FLAG_DEFAULTS, FP16_BLOCK_DEFAULTS, H100_RUN, HIDDEN_SIZE_AUTO,
                    INTEGER_TEXT, KNOWN_TOP_LEVEL_KEYS, NESTED_HOME, NUMBER_TEXT, REMOVED_TOP_LEVEL_KEYS,
-                   SCHEDULER_FOR_TYPE, SECTION_KEYS, STRING_KEYS, TUNED_ZERO, ZERO2_DEFAULTS, ZERO_AUTO_FALLBACK,
-                   out_of_range)
+                   SCHEDULER_FOR_TYPE, SECTION_KEYS, STAGE3_ALIASES, STAGE3_ONLY_KEYS, STRING_KEYS, TUNED_ZERO,
+                   ZERO2_DEFAULTS, ZERO3_COST, ZERO3_DEFAULTS, ZERO_AUTO_FALLBACK, out_of_range)
 from ..errors import closest
 from ..runtime import world_size_from_environment
 from ..settings import warmup_steps
@@ -245,6 +245,40 @@ class _Resolver:
             self.result.notes.append('legacy zero_optimization.cpu_offload migrated to '
                                      'offload_optimizer: {"device": "cpu"}' if legacy is True else
                                      'legacy zero_optimization.cpu_offload: false dropped')
+        if isinstance(zero, dict):
+            self.migrate_legacy_stage3(zero)
+
+    def migrate_legacy_stage3(self, zero):
+        """ZeRO-3's deprecated keys and its unprefixed spellings, written as DeepSpeed 0.19 and transformers do."""
+        renames = {"stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+                   **STAGE3_ALIASES}
+        for old, new in renames.items():
+            if old not in zero:
+                continue
+            value = zero.pop(old)
+            if new in zero and not _same(zero[new], value):
+                self.problems.append(f"zero_optimization.{old}={json.dumps(value)} and its newer name {new}="
+                                     f"{json.dumps(zero[new])} disagree: keep only {new}")
+                continue
+            zero.setdefault(new, value)
+            self.source(f"zero_optimization.{new}", f"file (written as {old})")
+            self.result.notes.append(f"zero_optimization.{old} renamed to {new}")
+        pin = zero.pop("cpu_offload_use_pin_memory", None)
+        if zero.get("cpu_offload_param") is True and "offload_param" not in zero:
+            zero["offload_param"] = {"device": "cpu"}
+            self.source("zero_optimization.offload_param.device", "file (legacy cpu_offload_param: true)")
+        if "cpu_offload_param" in zero:
+            legacy = zero.pop("cpu_offload_param")
+            self.result.notes.append('legacy zero_optimization.cpu_offload_param migrated to offload_param: '
+                                     '{"device": "cpu"}' if legacy is True else
+                                     'legacy zero_optimization.cpu_offload_param: false dropped')
+        if pin is not None:
+            for block in ("offload_param", "offload_optimizer"):
+                if isinstance(zero.get(block), dict):
+                    zero[block].setdefault("pin_memory", bool(pin))
+                    self.source(f"zero_optimization.{block}.pin_memory", "file (legacy cpu_offload_use_pin_memory)")
+            self.result.notes.append("legacy zero_optimization.cpu_offload_use_pin_memory moved into the offload "
+                                     "blocks' pin_memory")
 
     def precision(self):
         fp16 = self.enabled_flag("fp16")
@@ -513,18 +547,38 @@ class _Resolver:
             self.problems.append(f"zero_optimization.stage must be 0, 1, 2 or 3, got {json.dumps(stage)}")
         if stage in (1, 2):
             self.tuned_zero(zero)
+        if stage == 3:
+            self.zero3_defaults(zero)
+        elif isinstance(stage, int) and (ignored := sorted(STAGE3_ONLY_KEYS & set(zero))):
+            self.result.notes.append(f"zero_optimization.{', zero_optimization.'.join(ignored)}: read only at stage 3; "
+                                     f"DeepSpeed ignores {'it' if len(ignored) == 1 else 'them'} at stage {stage}")
         for key, value in list(zero.items()):
             if value != AUTO:
                 continue
             path = f"zero_optimization.{key}"
             if key in HIDDEN_SIZE_AUTO and self.hidden_size:
-                zero[key] = HIDDEN_SIZE_AUTO[key](self.hidden_size)
-                self.source(path, f"derived from the model's hidden size {self.hidden_size}")
+                rule, meaning = HIDDEN_SIZE_AUTO[key]
+                zero[key] = rule(self.hidden_size)
+                self.source(path, f"derived from the model's hidden size h = {self.hidden_size} (transformers' rule: "
+                                  f"{meaning})")
             elif key in HIDDEN_SIZE_AUTO and not self.final:
                 self.result.pending.append(path)
             elif key in ZERO_AUTO_FALLBACK:
                 zero[key] = ZERO_AUTO_FALLBACK[key]
                 self.source(path, "default (DeepSpeed's; no model given to size it)")
+
+    def zero3_defaults(self, zero):
+        """Fill the ZERO3_DEFAULTS fields the file leaves out; "auto" ones are then sized from the hidden size."""
+        for key, (value, why) in ZERO3_DEFAULTS.items():
+            if key in zero and not (zero[key] == AUTO and value != AUTO):
+                continue
+            zero[key] = value
+            self.source(f"zero_optimization.{key}", f"default for ZeRO-3: {why}")
+        if zero["stage3_gather_16bit_weights_on_model_save"] is False:
+            self.result.notes.append("zero_optimization.stage3_gather_16bit_weights_on_model_save is false in the "
+                                     "file: checkpoints and output_dir hold ZeRO shards only, no model from_pretrained "
+                                     "can load (DeepSpeed's zero_to_fp32.py rebuilds one)")
+        self.result.notes.append(f"ZeRO-3 partitions the parameters too: {ZERO3_COST}")
 
     def tuned_zero(self, zero):
         """Fill the TUNED_ZERO fields the file leaves out or sets to "auto", for where these ranks run."""

@@ -293,6 +293,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     import transformers
     from transformers import AutoModelForQuestionAnswering, default_data_collator, set_seed
 
+    from ..backends.deepspeed import sharded_loading
     from ..trainer import ExtTrainer
 
     files = data_args.data_files()
@@ -306,7 +307,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     if data_args.max_seq_length > tokenizer.model_max_length:
         raise ArgumentsError(f"--max_seq_length {data_args.max_seq_length} is longer than the model accepts "
                              f"({tokenizer.model_max_length}); use --max_seq_length {tokenizer.model_max_length}")
-    model = AutoModelForQuestionAnswering.from_pretrained(model_path, config=config, **model_args.model_kwargs)
+    with sharded_loading(training_args):  # ZeRO-3: built and loaded partitioned, never whole on a rank
+        model = AutoModelForQuestionAnswering.from_pretrained(model_path, config=config, **model_args.model_kwargs)
     transformers.utils.logging.set_verbosity_warning()
 
     evaluating = training_args.do_eval or data_args.evaluate_before_training
