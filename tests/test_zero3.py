@@ -105,6 +105,29 @@ def zero3_accumulate(tmp_path_factory):
 @pytest.mark.launch
 @pytest.mark.deepspeed
 @pytest.mark.model_package
+def test_a_finished_run_started_again_trains_nothing_and_evaluation_before_an_engine_is_one_line(zero3_accumulate,
+                                                                                                 tmp_path):
+    """A scheduler re-running a finished ZeRO-3 command must train nothing and exit 0; asking it to evaluate (no
+    engine exists yet under ZeRO-3) must be one clear line and exit 2, not transformers' traceback."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(zero3_accumulate, run_dir)
+    flags = [*ACCUMULATE, "--per_device_train_batch_size", 4, *ZERO3, "--save_strategy", "steps", "--save_steps", 3]
+    command = [BIN / "deepspeed", "--num_gpus", 2, "--master_port", free_port(), GLUE, "--output_dir", run_dir,
+               *GLUE_COMMON, *flags]
+    again = run(command)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "training already complete at step 12" in again.stdout + again.stderr
+    evaluating = run([*command, "--do_eval", "--max_eval_samples", 16])
+    assert evaluating.returncode == 2 and "Traceback" not in evaluating.stderr, evaluating.stderr[-3000:]
+    assert "evaluating before DeepSpeed's ZeRO-3 engine exists" in evaluating.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(p.name for p in zero3_accumulate.iterdir())
+
+
+@pytest.mark.launch
+@pytest.mark.deepspeed
+@pytest.mark.model_package
 def test_same_training_as_one_process_ddp_and_zero2(accumulate_runs, zero3_accumulate):
     """ZeRO-3 with accumulation, clipping that bites and warmup must be the same training as one process, DDP and
     ZeRO-2: per-step losses, gradient norms and learning rates, and the final weights."""

@@ -223,6 +223,7 @@ class ExtTrainer(Trainer):
             self._save(output_dir or self.args.output_dir, state_dict=state_dict)
 
     def evaluation_loop(self, *args, **kwargs):
+        self.backend.check_evaluation(self)
         if not (self.is_deepspeed_enabled and self.backend.evaluates_plain_model(self)):
             return super().evaluation_loop(*args, **kwargs)
         self.is_deepspeed_enabled = False  # evaluate the replicated model as plain data parallelism does

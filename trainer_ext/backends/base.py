@@ -88,6 +88,13 @@ class Backend:
         """The whole model's weights when the model is sharded (collective); None otherwise."""
         return None
 
+    def check_evaluation(self, trainer) -> None:
+        """Fail with one clear line when this backend cannot evaluate at this point (before an engine exists)."""
+
+    def loads_whole_checkpoint(self) -> bool:
+        """True: a finished run's weights can be loaded into this trainer's model as one state dict."""
+        return True
+
     def evaluates_plain_model(self, trainer) -> bool:
         """True: an evaluation before training may run the unwrapped model (no engine needed for it)."""
         return False

@@ -137,6 +137,19 @@ class DeepSpeedBackend(Backend):
         self.overflow_check = check_overflow_by_norm(getattr(engine, "optimizer", None))
         watch_skipped_steps(trainer)
 
+    def check_evaluation(self, trainer) -> None:
+        if trainer.deepspeed is None and zero_stage(self.resolution) == 3:
+            from ..errors import UserError
+
+            raise UserError(
+                "evaluating before DeepSpeed's ZeRO-3 engine exists (--evaluate_before_training, an evaluation-only "
+                "run, or a finished run started again) is not supported yet: transformers' ZeRO-3 inference engine "
+                "rejects the scheduler's step count and cannot be reused for training. Evaluate after training "
+                "(--do_eval), or load the saved model (model.safetensors) with from_pretrained to evaluate it")
+
+    def loads_whole_checkpoint(self) -> bool:
+        return zero_stage(self.resolution) < 3  # ZeRO-3's model is partitioned (zero.Init) as it was built
+
     def evaluates_plain_model(self, trainer) -> bool:
         # Below ZeRO-3 every rank holds all parameters, so evaluating before training needs no engine; stock
         # transformers insists on one and fails ("ZeRO inference only makes sense with ZeRO Stage 3").
