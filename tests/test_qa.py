@@ -266,6 +266,8 @@ def test_single_process_trains_and_reports_em_f1(single_trained):
     assert (output_dir / "model.safetensors").is_file() and (output_dir / "tokenizer.json").is_file()
 
 
+@pytest.mark.model_package
+@pytest.mark.deepspeed
 @pytest.mark.launch
 @pytest.mark.parametrize("launcher, backend", [("deepspeed", ["--deepspeed", "zero2_minimal"]),
                                                ("launch", ["--sharded_ddp", "simple"])])

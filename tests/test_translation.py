@@ -78,6 +78,7 @@ def test_bleu_metric_matches_sacrebleu():
 
 
 @pytest.mark.model_package
+@pytest.mark.deepspeed
 @pytest.mark.launch
 def test_single_process_generates_and_scores(runs):
     """If this fails, one-process training or generation during evaluation (--predict_with_generate) is broken."""
@@ -89,6 +90,8 @@ def test_single_process_generates_and_scores(runs):
     assert (single / "model.safetensors").is_file() and (single / "tokenizer.json").is_file()
 
 
+@pytest.mark.model_package
+@pytest.mark.deepspeed
 @pytest.mark.launch
 @pytest.mark.parametrize("backend", ["zero2", "sharded"])
 def test_two_ranks_generate_what_one_process_generates(runs, backend):

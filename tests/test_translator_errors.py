@@ -377,3 +377,13 @@ def test_batch_fields_from_the_flags_follow_the_real_world_size():
     first = phase_one(flags, {}, world_size=2)
     done = finish_deepspeed_config(first, flags, world_size=3, num_training_steps=10)
     assert (done.config["train_micro_batch_size_per_gpu"], done.config["train_batch_size"]) == (4, 12)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "constant_with_warmup", "linear"])
+def test_phase_two_never_turns_a_derived_schedule_into_a_file_value(schedule):
+    """A constant schedule's DeepSpeed warmup (1 step at a constant rate) is derived, not the user's: training must not
+    stop when the step count arrives (it did under `--lr_scheduler_type constant` with DeepSpeed)."""
+    flags = {"lr_scheduler_type": schedule, "warmup_steps": 0 if schedule == "constant" else 4}
+    first = phase_one(flags, {}, world_size=2)
+    done = finish_deepspeed_config(first, flags, world_size=2, num_training_steps=30)
+    assert "auto" not in json.dumps(done.config) and done.effective_flags == first.effective_flags

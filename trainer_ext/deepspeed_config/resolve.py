@@ -5,6 +5,7 @@ process group really has) without changing anything the run already used. Pure: 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import sys
@@ -659,11 +660,13 @@ def resolve_deepspeed_config(args: Any, config: Any = None, world_size: int | No
 def finish_deepspeed_config(resolution: Resolution, args: Any, world_size: int, num_training_steps: int,
                             hidden_size: int | None = None) -> Resolution:
     """Phase 2, when training starts: fill what phase 1 left pending (the training steps, sizes from the model's hidden
-    size) and take the world size the process group really has, in a copy. Nothing else may change: the batch fields
+    size) and take the world size the process group really has, in a copy. Nothing else changes: the batch fields
     already built the data order, the precision and optimizer the model and its optimizer. A file whose
     train_batch_size was split for another number of ranks than the run has is an error, never a sampler and an engine
     that disagree on the batch."""
     config = copy.deepcopy(resolution.config)
+    sources = dict(resolution.sources)
+    problems = []
     if world_size != resolution.world_size:
         split = [path for path in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
                  if resolution.sources.get(path, "").startswith("derived from the file's train_batch_size")]
@@ -674,22 +677,36 @@ def finish_deepspeed_config(resolution: Resolution, args: Any, world_size: int, 
                  f"WORLD_SIZE), but the process group has {world_size}: launch {resolution.world_size} ranks, or give "
                  f"train_micro_batch_size_per_gpu (--per_device_train_batch_size) instead of train_batch_size"],
                 resolution.origin)
-        config["train_batch_size"] = AUTO  # micro batch x accumulation x the real world size
-    finished = _Resolver(args, config, resolution.origin, world_size, num_training_steps, hidden_size, final=True,
-                         cpu_ranks=resolution.cpu_ranks).run()
-    before, after = dict(iter_fields(resolution.config)), dict(iter_fields(finished.config))
-    may_change = {*resolution.pending, "train_batch_size"}
-    changed = sorted(path for path in before.keys() | after.keys()
-                     if path not in may_change and not _same(before.get(path), after.get(path)))
-    flags = {flag: value for flag, value in finished.effective_flags.items()
-             if not _same(flag_value(args, flag), value)}
-    if changed or flags:  # a bug, not a user's mistake: the two phases must agree on everything already used
-        raise RuntimeError(f"DeepSpeed config changed after the arguments were parsed: "
-                           f"{[(path, before.get(path), after.get(path)) for path in changed]}, flags {flags}")
-    filled = {path: finished.sources[path] for path in may_change if path in finished.sources}
-    return Resolution(finished.config, dict(resolution.effective_flags), {**resolution.sources, **filled},
-                      resolution.notes + [note for note in finished.notes if note not in resolution.notes], [],
-                      resolution.scheduler_by_trainer, resolution.origin, world_size, resolution.cpu_ranks)
+        config["train_batch_size"] = (config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]
+                                      * world_size)
+        sources["train_batch_size"] = f"derived (micro × accumulation × the process group's {world_size} ranks)"
+    for path in resolution.pending:
+        value, where = _pending_value(path, args, num_training_steps, hidden_size)
+        if value is None:
+            problems.append(f'{path} is "auto" and needs the model\'s hidden size, which this model does not give: '
+                            "write a value in the file")
+            continue
+        _set(config, path, value)
+        sources[path] = where
+    if problems:
+        raise DeepSpeedConfigError(problems, resolution.origin)
+    return dataclasses.replace(resolution, config=config, sources=sources, pending=[], world_size=world_size)
+
+
+def _pending_value(path: str, args: Any, num_training_steps: int, hidden_size: int | None) -> tuple[Any, str]:
+    """The value phase 1 could not know, and where it came from."""
+    if path == "scheduler.params.total_num_steps":
+        return int(num_training_steps), "derived (number of training steps)"
+    if path == "scheduler.params.warmup_num_steps":  # DeepSpeed warms up over >= 1 step; transformers' checked value
+        return max(1, warmup_steps_for(args, num_training_steps)), "derived from the warmup flags and the step count"
+    key = path.rpartition(".")[2]
+    if hidden_size:
+        rule, meaning = HIDDEN_SIZE_AUTO[key]
+        return rule(hidden_size), (f"derived from the model's hidden size h = {hidden_size} (transformers' rule: "
+                                   f"{meaning})")
+    if key in ZERO_AUTO_FALLBACK:
+        return ZERO_AUTO_FALLBACK[key], "default (DeepSpeed's; the model gives no hidden size to size it)"
+    return None, ""
 
 
 def build_deepspeed_config(args: Any, world_size: int | None = None, num_training_steps: int | None = None,
