@@ -40,7 +40,7 @@ def results(output_dir, prefix):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A short single-process fine-tuning, then ZeRO-2 and sharded DDP runs that start from its weights: their
+    """A short single-process fine-tuning, then ZeRO-2, ZeRO-3 and sharded DDP runs that start from its weights: their
     evaluation before training sees exactly the weights the single process ended with."""
     root = tmp_path_factory.mktemp("translation")
     cache = root / "datasets-cache"
@@ -49,6 +49,7 @@ def runs(tmp_path_factory):
     trained = ["--model_name_or_path", root / "single", "--evaluate_before_training", "--do_train", "--do_eval",
                "--max_steps", 2, "--max_train_samples", 32, "--per_device_train_batch_size", 4]
     translate("deepspeed", root / "zero2", *trained, "--deepspeed", "zero2_minimal", cache=cache)
+    translate("deepspeed", root / "zero3", *trained, "--deepspeed", "zero3", cache=cache)
     translate("launch", root / "sharded", *trained, "--sharded_ddp", "simple", cache=cache)
     return root
 
@@ -93,10 +94,11 @@ def test_single_process_generates_and_scores(runs):
 @pytest.mark.model_package
 @pytest.mark.deepspeed
 @pytest.mark.launch
-@pytest.mark.parametrize("backend", ["zero2", "sharded"])
+@pytest.mark.parametrize("backend", ["zero2", "zero3", "sharded"])
 def test_two_ranks_generate_what_one_process_generates(runs, backend):
-    """If this fails, generation on 2 ranks (DeepSpeed ZeRO-2 or sharded DDP) returns predictions out of dataset
-    order, with the padding duplicates, or different from one process for the same weights."""
+    """If this fails, generation on 2 ranks (DeepSpeed ZeRO-2 or ZeRO-3, sharded DDP) returns predictions out of dataset
+    order, with the padding duplicates, or different from one process for the same weights. Under ZeRO-3 both ranks
+    must keep generating until the longest sequence ends (synced_gpus), or the other rank hangs in a gather."""
     single, launched = runs / "single", runs / backend
     assert generated(launched, "generated_eval_before.txt") == generated(single, "generated_eval.txt")
     assert results(launched, "eval_before")["eval_before_bleu"] == pytest.approx(results(single, "eval")["eval_bleu"])

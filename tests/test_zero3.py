@@ -105,10 +105,10 @@ def zero3_accumulate(tmp_path_factory):
 @pytest.mark.launch
 @pytest.mark.deepspeed
 @pytest.mark.model_package
-def test_a_finished_run_started_again_trains_nothing_and_evaluation_before_an_engine_is_one_line(zero3_accumulate,
-                                                                                                 tmp_path):
-    """A scheduler re-running a finished ZeRO-3 command must train nothing and exit 0; asking it to evaluate (no
-    engine exists yet under ZeRO-3) must be one clear line and exit 2, not transformers' traceback."""
+def test_a_finished_run_started_again_trains_nothing_and_evaluates_its_weights(zero3_accumulate, tmp_path):
+    """A scheduler re-running a finished ZeRO-3 command must train nothing, change no file, exit 0; asked to evaluate,
+    it loads the finished weights into the partitioned model and evaluates them through an engine of its own: the
+    metrics must equal one process evaluating the saved model, printed by rank 0 only."""
     import shutil
 
     run_dir = tmp_path / "run"
@@ -119,10 +119,15 @@ def test_a_finished_run_started_again_trains_nothing_and_evaluation_before_an_en
     again = run(command)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "training already complete at step 12" in again.stdout + again.stderr
-    evaluating = run([*command, "--do_eval", "--max_eval_samples", 16])
-    assert evaluating.returncode == 2 and "Traceback" not in evaluating.stderr, evaluating.stderr[-3000:]
-    assert "evaluating before DeepSpeed's ZeRO-3 engine exists" in evaluating.stderr
-    assert sorted(p.name for p in run_dir.iterdir()) == sorted(p.name for p in zero3_accumulate.iterdir())
+    evaluating = run([*command, "--do_eval", "--max_eval_samples", 64])
+    assert evaluating.returncode == 0, evaluating.stderr[-3000:]
+    assert evaluating.stdout.count("'eval_loss'") == 1  # the finished run's saved state names rank 0 as the main one
+    written = {"eval_results.json", "all_results.json"}
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([p.name for p in zero3_accumulate.iterdir()] +
+                                                               [n for n in written if not (zero3_accumulate / n).exists()])
+    launch("single", tmp_path / "one", "--model_name_or_path", run_dir, "--do_eval", "--max_eval_samples", 64)
+    ours, one = (json.loads((d / "eval_results.json").read_text()) for d in (run_dir, tmp_path / "one"))
+    assert abs(ours["eval_loss"] - one["eval_loss"]) < 1e-6 and ours["eval_accuracy"] == one["eval_accuracy"]
 
 
 @pytest.mark.launch
@@ -197,14 +202,15 @@ def test_checkpoint_from_1_rank_resumes_on_2(zero3_accumulate, resumed_on_one_ra
 
 @pytest.fixture(scope="module")
 def preempted_then_rerun(tmp_path_factory):
-    """PLAIN under ZeRO-3 on 2 ranks: SIGTERM to rank 1 after the first logged step, then the same command again."""
+    """PLAIN under ZeRO-3 on 2 ranks, evaluating before training (an inference engine built and released before the
+    training engine): SIGTERM to rank 1 after the first logged step, then the same command again."""
     from trainer_ext.checkpoint import newest_valid_checkpoint
 
     root = tmp_path_factory.mktemp("zero3-sigterm")
     output_dir = root / "run"
     command = [str(c) for c in [BIN / "deepspeed", "--num_gpus", 2, "--master_port", free_port(), GLUE,
                                 "--output_dir", output_dir, *GLUE_COMMON, *PLAIN, "--per_device_train_batch_size", 8,
-                                *ZERO3, "--disable_tqdm", "false"]]
+                                *ZERO3, "--disable_tqdm", "false", "--evaluate_before_training"]]
     with open(root / "first.log", "w") as log:
         first = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=clean_env(),
                                  start_new_session=True)
@@ -249,6 +255,21 @@ def test_evaluation_and_predictions_on_2_ranks_equal_one_process(plain_runs, pre
                                                                                preempted_then_rerun))
     assert ours["predictions"] == single["predictions"] and len(ours["predictions"]) == 37
     assert np.allclose(ours["logits"], single["logits"], atol=1e-4)
+
+
+
+@pytest.mark.launch
+@pytest.mark.deepspeed
+@pytest.mark.model_package
+def test_evaluation_before_training_equals_one_process(preempted_then_rerun, tmp_path):
+    """Evaluating before the training engine exists runs the pretrained weights through an inference engine of our own
+    (transformers' would delete the optimizer from the config training uses): the metrics must equal one process's,
+    and the training that follows is the single process's (test_sigterm_then_the_same_command_equals_one_process)."""
+    launch("single", tmp_path / "one", "--do_eval", "--max_eval_samples", 64)
+    one = json.loads((tmp_path / "one" / "eval_results.json").read_text())
+    ours = json.loads((preempted_then_rerun / "eval_before_results.json").read_text())
+    assert abs(ours["eval_before_loss"] - one["eval_loss"]) < 1e-6
+    assert ours["eval_before_accuracy"] == one["eval_accuracy"]
 
 
 # -- loading partitioned, tied weights, the planner ------------------------------------------------------------------
@@ -341,3 +362,33 @@ def test_sharded_loading_is_public_and_a_no_op_elsewhere():
             "print('ok', args.deepspeed)\n")
     out = run([PYTHON, "-c", code])
     assert out.returncode == 0 and "ok None" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("shard", [None, "20KB"])
+def test_consolidated_weights_load_into_a_model_built_whole(tmp_path, shard):
+    """A finished ZeRO-3 run started again from an own script whose model was built whole (no zero.Init): every
+    rank, not only the main one, must fill its parameters from model.safetensors or its shards, tied weights through
+    the name the file kept; a file that lacks a parameter is named before any collective."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import BertConfig, BertForMaskedLM
+
+    from trainer_ext.backends.deepspeed import load_consolidated_weights
+
+    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+    torch.manual_seed(0)
+    saved = BertForMaskedLM(config)
+    saved.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    assert (tmp_path / "model.safetensors.index.json").is_file() == bool(shard)
+    torch.manual_seed(1)
+    model = BertForMaskedLM(config)
+    load_consolidated_weights(model, tmp_path, main_process=False)
+    expected = saved.state_dict()
+    assert all(torch.equal(value, expected[name]) for name, value in model.state_dict().items())
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    if not shard:
+        weights = load_file(tmp_path / "model.safetensors")
+        del weights["bert.encoder.layer.1.output.dense.bias"]
+        save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(RuntimeError, match="no bert.encoder.layer.1.output.dense.bias"):
+            load_consolidated_weights(model, tmp_path, main_process=True)

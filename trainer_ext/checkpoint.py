@@ -281,13 +281,10 @@ class RunCheckpoints:
         if state.global_step < max_steps:
             return None
         trainer = self.trainer
-        if trainer.backend.loads_whole_checkpoint():  # for evaluation/prediction after the re-run
-            deepspeed = trainer.is_deepspeed_enabled
-            trainer.is_deepspeed_enabled = False  # below ZeRO-3 every checkpoint holds the whole model
-            try:
-                trainer._load_from_checkpoint(str(checkpoint))  # the Trainer's own loader (weights, as resume does)
-            finally:
-                trainer.is_deepspeed_enabled = deepspeed
+        trainer.backend.load_weights(trainer, checkpoint)  # for evaluation/prediction after the re-run
+        # The saved state says rank 0's is_world_process_zero: on every rank, its callbacks would print and report.
+        state.is_local_process_zero, state.is_world_process_zero = (trainer.is_local_process_zero(),
+                                                                    trainer.is_world_process_zero())
         trainer.state = state
         final = Path(self.args.output_dir)
         where = final if any(final.glob("model*.safetensors")) or any(final.glob("pytorch_model*.bin")) else checkpoint

@@ -129,6 +129,7 @@ def _release() -> None:
     for trainer in list(_TRAINERS):
         trainer.model_wrapped, trainer.deepspeed = trainer.model, None
         trainer.accelerator.free_memory()
+        trainer.backend.drop_references()
         backends.append(trainer.backend)
     gc.collect()
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -201,6 +201,8 @@ class ExtTrainer(Trainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
     def _wrap_model(self, model, training=True, dataloader=None):
+        if not training and getattr(self, "_evaluation_engine", None) is not None:
+            return self._evaluation_engine
         if training:
             wrapped = self.backend.wrap_model(self, model)
             if wrapped is not None:
@@ -223,7 +225,13 @@ class ExtTrainer(Trainer):
             self._save(output_dir or self.args.output_dir, state_dict=state_dict)
 
     def evaluation_loop(self, *args, **kwargs):
-        self.backend.check_evaluation(self)
+        engine = self.backend.evaluation_engine(self)
+        if engine is not None:  # transformers then builds no engine of its own and prepares nothing (_wrap_model)
+            self.deepspeed = self.model_wrapped = self._evaluation_engine = engine
+            try:
+                return super().evaluation_loop(*args, **kwargs)
+            finally:
+                self.deepspeed, self.model_wrapped, self._evaluation_engine = None, self.model, None
         if not (self.is_deepspeed_enabled and self.backend.evaluates_plain_model(self)):
             return super().evaluation_loop(*args, **kwargs)
         self.is_deepspeed_enabled = False  # evaluate the replicated model as plain data parallelism does

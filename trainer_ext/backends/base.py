@@ -88,12 +88,15 @@ class Backend:
         """The whole model's weights when the model is sharded (collective); None otherwise."""
         return None
 
-    def check_evaluation(self, trainer) -> None:
-        """Fail with one clear line when this backend cannot evaluate at this point (before an engine exists)."""
+    def load_weights(self, trainer, checkpoint) -> None:
+        """A finished run's weights into this trainer's model (for its evaluation/prediction); the Trainer's own
+        loader by default, as a resume loads them."""
+        trainer._load_from_checkpoint(str(checkpoint))
 
-    def loads_whole_checkpoint(self) -> bool:
-        """True: a finished run's weights can be loaded into this trainer's model as one state dict."""
-        return True
+    def evaluation_engine(self, trainer):
+        """The engine an evaluation before training runs through, when the model cannot be evaluated as it is
+        (ZeRO-3: partitioned parameters); None: transformers' own evaluation."""
+        return None
 
     def evaluates_plain_model(self, trainer) -> bool:
         """True: an evaluation before training may run the unwrapped model (no engine needed for it)."""
@@ -113,6 +116,9 @@ class Backend:
 
     def save_settings(self, output_dir) -> None:
         """Write the resolved settings next to the model (main process, after training)."""
+
+    def drop_references(self) -> None:
+        """At exit, before the process group is destroyed: release what holds it (engines of the backend's own)."""
 
     def teardown(self) -> None:
         """At exit, after the process group is gone: clean up what this backend leaves on the machine."""

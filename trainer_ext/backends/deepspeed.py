@@ -76,6 +76,7 @@ class DeepSpeedBackend(Backend):
         super().__init__(args)
         self.resolution = getattr(args, "deepspeed_resolution", None)  # phase 1, from ExtTrainingArguments
         self.overflow_check = None  # how a ZeRO step detects a non-finite gradient, once the engine exists
+        self._evaluation_engine = None  # ZeRO-3 before training: see evaluation_engine
 
     def check(self, args) -> None:
         import importlib.util
@@ -86,6 +87,7 @@ class DeepSpeedBackend(Backend):
             self.resolution = resolve_stock_arguments(args)
 
     def before_prepare(self, trainer, num_training_steps: int, resume_from_checkpoint=None) -> None:
+        self.release_evaluation_engine()
         args = trainer.args
         model = trainer.accelerator.unwrap_model(trainer.model)
         hidden_size = model_hidden_size(model)
@@ -137,18 +139,40 @@ class DeepSpeedBackend(Backend):
         self.overflow_check = check_overflow_by_norm(getattr(engine, "optimizer", None))
         watch_skipped_steps(trainer)
 
-    def check_evaluation(self, trainer) -> None:
-        if trainer.deepspeed is None and zero_stage(self.resolution) == 3:
-            from ..errors import UserError
+    def evaluation_engine(self, trainer):
+        """Under ZeRO-3 before training (--evaluate_before_training, an evaluation-only run, a finished run's
+        evaluation) each rank holds a partition of every parameter: an engine of our own, without optimizer or
+        scheduler, gathers them layer by layer. transformers' inference engine cannot be used: it checks a step count
+        of 0 against the scheduler, and deletes the optimizer from the config that training then uses. Kept for later
+        evaluations; released before training builds its engine on the same model."""
+        if trainer.deepspeed is not None or zero_stage(self.resolution) != 3:
+            return None
+        if self._evaluation_engine is None:
+            import deepspeed
 
-            raise UserError(
-                "evaluating before DeepSpeed's ZeRO-3 engine exists (--evaluate_before_training, an evaluation-only "
-                "run, or a finished run started again) is not supported yet: transformers' ZeRO-3 inference engine "
-                "rejects the scheduler's step count and cannot be reused for training. Evaluate after training "
-                "(--do_eval), or load the saved model (model.safetensors) with from_pretrained to evaluate it")
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            finished = finish_deepspeed_config(self.resolution, trainer.args, trainer.args.world_size, 1,
+                                               model_hidden_size(model))
+            config = {key: value for key, value in finished.config.items() if key not in ("optimizer", "scheduler")}
+            self._evaluation_engine = deepspeed.initialize(model=model, config=config)[0]
+        return self._evaluation_engine
 
-    def loads_whole_checkpoint(self) -> bool:
-        return zero_stage(self.resolution) < 3  # ZeRO-3's model is partitioned (zero.Init) as it was built
+    def release_evaluation_engine(self) -> None:
+        """Remove the evaluation engine's parameter hooks from the model (the training engine adds its own)."""
+        if self._evaluation_engine is not None:
+            self._evaluation_engine.destroy()
+            self._evaluation_engine = None
+
+    def load_weights(self, trainer, checkpoint) -> None:
+        if zero_stage(self.resolution) == 3:  # the model was partitioned as it was built (zero.Init)
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            load_consolidated_weights(model, Path(checkpoint), trainer.is_world_process_zero())
+            return
+        trainer.is_deepspeed_enabled = False  # below ZeRO-3 every checkpoint holds the whole model
+        try:
+            super().load_weights(trainer, checkpoint)
+        finally:
+            trainer.is_deepspeed_enabled = True
 
     def evaluates_plain_model(self, trainer) -> bool:
         # Below ZeRO-3 every rank holds all parameters, so evaluating before training needs no engine; stock
@@ -181,6 +205,9 @@ class DeepSpeedBackend(Backend):
             path = Path(output_dir) / "ds_config.resolved.json"
             path.write_text(json.dumps(self.resolution.config, indent=2) + "\n")
 
+    def drop_references(self) -> None:
+        self.release_evaluation_engine()
+
     def teardown(self) -> None:
         from ..leftovers import remove_own_shm_buffer
 
@@ -195,6 +222,48 @@ def keep_used_weight_conversions(model) -> None:
     conversions = getattr(model, "_weight_conversions", None)
     if conversions:
         model._weight_conversions = [conversion for conversion in conversions if conversion.was_used()]
+
+
+def load_consolidated_weights(model, folder: Path, main_process: bool) -> None:
+    """A checkpoint's consolidated model.safetensors (one file, or shards and their index) into a model whose parameters
+    ZeRO-3 partitioned: module by module, its parameters gathered, filled by the main process, partitioned again
+    (DeepSpeed's documented pattern for GatheredParameters), so no rank holds more than one module whole. Parameters
+    and buffers that are not partitioned are filled on every rank."""
+    from contextlib import ExitStack
+
+    import deepspeed
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    with ExitStack() as stack:
+        if index.is_file():
+            names = json.loads(index.read_text())["weight_map"]
+            opened = {name: stack.enter_context(safe_open(folder / name, "pt")) for name in set(names.values())}
+            source = {key: opened[name] for key, name in names.items()}
+        else:
+            single = stack.enter_context(safe_open(folder / "model.safetensors", "pt"))
+            source = dict.fromkeys(single.keys(), single)
+        aliases = {}  # a tied parameter answers to every name it has; the file keeps one of them
+        for name, parameter in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(parameter), []).append(name)
+        missing = [names[0] for names in aliases.values() if not any(name in source for name in names)]
+        if missing:  # checked on every rank alike, before any collective
+            raise RuntimeError(f"{folder}: the saved weights have no {missing[0]} ({len(missing)} parameter(s) missing)")
+
+        def fill(tensor, names):
+            key = next(name for name in names if name in source)
+            tensor.data.copy_(source[key].get_tensor(key))
+
+        for module in model.modules():
+            own = list(module.parameters(recurse=False))
+            partitioned = [p for p in own if hasattr(p, "ds_id")]
+            with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
+                for parameter in own:
+                    if main_process or not hasattr(parameter, "ds_id"):
+                        fill(parameter, aliases[id(parameter)])
+        for name, buffer in model.named_buffers():
+            if name in source:
+                fill(buffer, [name])
 
 
 def model_hidden_size(model) -> int | None:
