@@ -73,6 +73,28 @@ CONFIGS = [
 ]
 
 
+def zero3_variant(**changes) -> tuple:
+    """The zero3 preset with some zero_optimization fields changed, as an inline --deepspeed config."""
+    config = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    config["zero_optimization"].update(changes)
+    return ("--deepspeed", json.dumps(config))
+
+
+# The stage-3 settings to choose the defaults from (issue 14: ZeRO-3 >= 0.7x plain where the model fits anyway), one
+# change each from the preset, then all together; bf16 only, lowest priority: `--only "ZeRO-3 tuning"` runs them alone.
+# BERT-large: attention matrices h^2 = 1.05M parameters, feed-forward 4.2M; the preset sizes from h = 1024.
+ZERO3_TUNING = {
+    "persistence 2e6 (attention matrices stay whole)": {"stage3_param_persistence_threshold": 2e6},
+    "module granularity 1e6 (fewer, coarser hooks)": {"stage3_module_granularity_threshold": 1e6},
+    "prefetch 5e8, live 3e9": {"stage3_prefetch_bucket_size": 5e8, "stage3_max_live_parameters": 3e9},
+    "overlap_comm off": {"overlap_comm": False},
+    "contiguous_gradients off": {"contiguous_gradients": False},
+}
+ZERO3_TUNING["all of the above"] = {k: v for changes in ZERO3_TUNING.values() for k, v in changes.items()}
+CONFIGS += [Config(f"ZeRO-3 tuning: {name}", "ext", "deepspeed", zero3_variant(**changes), precisions=("bf16",),
+                   needs="deepspeed") for name, changes in ZERO3_TUNING.items()]
+
+
 def command(config: Config, precision: str, ranks: int, args, out: Path, profile: str | None = None) -> list[str]:
     bin_dir = Path(sys.executable).parent
     port = str(free_port())

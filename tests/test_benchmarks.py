@@ -102,3 +102,22 @@ def test_gpu_benchmark_runs_and_reports_a_failing_row(tmp_path):
     assert "| plain, ExtTrainer | bf16 |" in text and "| simple, ExtTrainer | bf16 |" in text
     assert "| zero_dp_2, ExtTrainer | bf16 | failed: train.py: error: --sharded_ddp zero_dp_2: FairScale's" in text
     assert (tmp_path / "gpu.png").is_file()
+
+
+def test_zero3_tuning_rows_are_configs_deepspeed_accepts(deepspeed_accepts):
+    """The stage-3 settings a GPU session measures to choose the defaults: a row DeepSpeed (or our translator) rejects,
+    or one that changes nothing, would waste the GPU's time and decide nothing."""
+    import json
+
+    from trainer_ext.deepspeed_config import resolve_deepspeed_config
+
+    rows = [c for c in gpu.CONFIGS if c.name.startswith("ZeRO-3 tuning")]
+    assert len(rows) == len(gpu.ZERO3_TUNING) >= 6 and all(c.precisions == ("bf16",) for c in rows)
+    preset = deepspeed_accepts(resolve_deepspeed_config({"bf16": True}, "zero3", world_size=2, num_training_steps=20,
+                                                        hidden_size=1024).config, 2).zero_config
+    for row, changes in zip(rows, gpu.ZERO3_TUNING.values()):
+        resolved = resolve_deepspeed_config({"bf16": True}, json.loads(row.flags[1]), world_size=2,
+                                            num_training_steps=20, hidden_size=1024)
+        zero = deepspeed_accepts(resolved.config, 2).zero_config
+        assert zero.stage == 3 and zero != preset
+        assert all(resolved.config["zero_optimization"][key] == value for key, value in changes.items())
