@@ -90,7 +90,9 @@ ZERO3_TUNING = {
     "overlap_comm off": {"overlap_comm": False},
     "contiguous_gradients off": {"contiguous_gradients": False},
 }
-ZERO3_TUNING["all of the above"] = {k: v for changes in ZERO3_TUNING.values() for k, v in changes.items()}
+# Without the granularity: a failure of that one (new in DeepSpeed) must not hide what the others give together.
+ZERO3_TUNING["all but module granularity"] = {k: v for name, changes in ZERO3_TUNING.items()
+                                              if not name.startswith("module") for k, v in changes.items()}
 CONFIGS += [Config(f"ZeRO-3 tuning: {name}", "ext", "deepspeed", zero3_variant(**changes), precisions=("bf16",),
                    needs="deepspeed") for name, changes in ZERO3_TUNING.items()]
 

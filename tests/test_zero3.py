@@ -92,6 +92,17 @@ def test_a_written_value_is_kept_and_false_consolidation_is_said(deepspeed_accep
 
 # -- training on 2 ranks ---------------------------------------------------------------------------------------------
 
+def test_module_granularity_is_refused_on_cpu_ranks_only(deepspeed_accepts):
+    """DeepSpeed 0.19.8's stage-3 zero_grad calls record_stream on CPU gradients when
+    stage3_module_granularity_threshold > 0 ("unknown parameter type" at the first step, measured on 2 CPU ranks): a
+    CPU run must be told before training, a GPU run must keep the setting."""
+    file = {"zero_optimization": {"stage": 3, "module_granularity_threshold": 1e6}}  # unprefixed: migrated first
+    with pytest.raises(DeepSpeedConfigError, match=r"stage3_module_granularity_threshold=1000000.0 fails on CPU ranks"):
+        resolve_deepspeed_config({}, file, world_size=2, num_training_steps=10, hidden_size=HIDDEN, cpu_ranks=True)
+    on_gpus = resolve_deepspeed_config({}, file, world_size=2, num_training_steps=10, hidden_size=HIDDEN)
+    assert deepspeed_accepts(on_gpus.config, 2).zero_config.module_granularity_threshold == 1_000_000
+
+
 @pytest.fixture(scope="module")
 def zero3_accumulate(tmp_path_factory):
     """ACCUMULATE under ZeRO-3 on 2 ranks (4 per rank x 2 accumulation), checkpoints every 3 steps (a resume keeps

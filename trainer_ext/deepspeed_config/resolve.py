@@ -580,6 +580,11 @@ class _Resolver:
                                      "file: checkpoints and output_dir hold ZeRO shards only, no model from_pretrained "
                                      "can load (DeepSpeed's zero_to_fp32.py rebuilds one)")
         self.result.notes.append(f"ZeRO-3 partitions the parameters too: {ZERO3_COST}")
+        granularity = zero.get("stage3_module_granularity_threshold", 0)
+        if self.cpu_ranks and isinstance(granularity, (int, float)) and granularity > 0:  # measured: 0.19.8, 2 CPU ranks
+            self.problems.append(f"zero_optimization.stage3_module_granularity_threshold={json.dumps(granularity)} "
+                                 "fails on CPU ranks at the first optimizer step (DeepSpeed's stage-3 zero_grad calls "
+                                 "record_stream, which CPU tensors do not have): set it to 0, or run on GPUs")
 
     def tuned_zero(self, zero):
         """Fill the TUNED_ZERO fields the file leaves out or sets to "auto", for where these ranks run."""
