@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from .backends import backend_class, selection_problems
+from .backends import backend_class, prepare_environment, selection_problems
 from .backends.fairscale import OPTIONS as SHARDED_DDP_OPTIONS
 from .deepspeed_config import FLAG_RANGES, out_of_range
 from .checkpoint import CheckpointNotFoundError
 from .errors import ArgumentsError, UserError, closest, debugging, main_process
-from .runtime import prepare_cpu_ranks, quiet_deepspeed_on_cpu_machines
+from .runtime import prepare_cpu_ranks
 from .settings import merge_warmup_ratio
 
 logger = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class ExtTrainingArguments(TrainingArguments):
         return self
 
     def __post_init__(self):
-        quiet_deepspeed_on_cpu_machines()
+        prepare_environment()
         if problems := flag_problems(self):  # what this machine cannot change; trainer-ext ds-config runs the same
             raise ArgumentsError("\n".join(problems))
         self.deepspeed_resolution = None  # set by the DeepSpeed backend: the config resolved against these flags
@@ -179,7 +179,7 @@ class ExtTrainingArguments(TrainingArguments):
 
     @property
     def place_model_on_device(self):
-        # transformers' hook for integrations: the backend may need the model where it was built (FSDP offload).
+        # transformers' hook for integrations: the backend may need the model where it was built (offload).
         decided = backend_class(self).places_model_on_device(self)
         return decided if decided is not None else super().place_model_on_device
 

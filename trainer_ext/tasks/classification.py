@@ -84,7 +84,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     import transformers
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
-    from ..backends.deepspeed import sharded_loading
+    from ..backends import sharded_loading
     from ..trainer import ExtTrainer
 
     raw = load_raw(data_args)
@@ -105,7 +105,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     set_seed(training_args.seed)  # the new classifier head is initialised identically on every backend
     config = load_config(model_path, model_args, num_labels=len(labels))
     tokenizer = load_tokenizer(model_path, model_args)
-    with sharded_loading(training_args):  # ZeRO-3: built and loaded partitioned, never whole on a rank
+    with sharded_loading(training_args):  # partitioned where the backend can (ZeRO-3)
         model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config,
                                                                    **model_args.model_kwargs)
     transformers.utils.logging.set_verbosity_warning()

@@ -293,7 +293,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     import transformers
     from transformers import AutoModelForQuestionAnswering, default_data_collator, set_seed
 
-    from ..backends.deepspeed import sharded_loading
+    from ..backends import sharded_loading
     from ..trainer import ExtTrainer
 
     files = data_args.data_files()
@@ -307,7 +307,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     if data_args.max_seq_length > tokenizer.model_max_length:
         raise ArgumentsError(f"--max_seq_length {data_args.max_seq_length} is longer than the model accepts "
                              f"({tokenizer.model_max_length}); use --max_seq_length {tokenizer.model_max_length}")
-    with sharded_loading(training_args):  # ZeRO-3: built and loaded partitioned, never whole on a rank
+    with sharded_loading(training_args):  # partitioned where the backend can (ZeRO-3)
         model = AutoModelForQuestionAnswering.from_pretrained(model_path, config=config, **model_args.model_kwargs)
     transformers.utils.logging.set_verbosity_warning()
 

@@ -255,13 +255,13 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     the generated texts (`generated_eval_before.txt`, `generated_eval.txt`, `generated_predictions.txt`)."""
     from transformers import DataCollatorForSeq2Seq, set_seed
 
-    from ..backends.deepspeed import sharded_loading
+    from ..backends import sharded_loading
     from ..seq2seq import ExtSeq2SeqTrainer
 
     files = data_files(data_args, training_args)
     Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
     set_seed(training_args.seed)  # new weights (cross-attention, a config-built model) equal on every rank
-    with sharded_loading(training_args):  # ZeRO-3: built and loaded partitioned, never whole on a rank
+    with sharded_loading(training_args):  # partitioned where the backend can (ZeRO-3)
         model, tokenizer = build_model(model_args)
     tokenized = tokenize(load_pairs(files, data_args), tokenizer, model, data_args, training_args)
 
