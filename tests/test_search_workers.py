@@ -217,3 +217,30 @@ def test_a_trial_taken_over_on_the_same_machine_continues_from_the_other_workers
     assert fetch_checkpoint(elsewhere, third, me, None) == (
         f"restarts from step 0 with the same values: the checkpoints in there:{theirs} are out of reach (give "
         "--checkpoint_uri to continue from a remote copy)")
+
+
+def test_a_trials_worker_is_gone_when_its_process_or_its_heartbeat_says_so():
+    """On this machine a worker is gone when its process is; elsewhere when the trial's heartbeat stands still for the
+    grace period (a moving one resets it); a worker that stopped cleanly, or none recorded, hands on at once."""
+    from types import SimpleNamespace
+
+    from trainer_ext.search.workers import STOPPED, Watch, this_process, this_worker
+
+    me = this_worker(Path("/study"))
+    watch, later = Watch(me, grace_period=3600), Watch(me, grace_period=0)
+
+    def trial(owner, heartbeat=1, number=7):
+        return SimpleNamespace(_trial_id=number, user_attrs={"owner": owner, "heartbeat": heartbeat})
+
+    parent = {**this_process(os.getppid()), "study_dir": "/other"}  # a live worker on this machine
+    assert watch.gone(trial(me)) is None and watch.gone(trial(parent)) is None
+    dead = {**parent, "started": parent["started"] - 1}  # that pid, but another process's start time
+    assert watch.gone(trial(dead)) == f"its worker on {me['host']} (pid {dead['pid']}) is gone"
+    assert watch.gone(trial(None)) == "no worker recorded"
+    far = {"host": "machine-b", "pid": 12, "started": 1.0, "study_dir": "/study"}
+    assert watch.gone(trial(far, STOPPED)) == "its worker on machine-b (pid 12) stopped"
+    for each in (watch, later):  # first sight: alive
+        assert each.gone(trial(far, 5)) is None
+    assert watch.gone(trial(far, 5)) is None  # within the grace period
+    assert later.gone(trial(far, 6)) is None  # it moved: seen anew
+    assert later.gone(trial(far, 6)) == "no heartbeat from its worker on machine-b (pid 12) for 0 s"

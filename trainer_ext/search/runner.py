@@ -271,6 +271,7 @@ class Search:
         if self.heartbeat is None:
             return
         self.heartbeat.stop()
+        self.heartbeat.join(timeout=self.settings.heartbeat_interval + 30)  # its last beat must not follow STOPPED
         from optuna.trial import TrialState
 
         try:

@@ -107,7 +107,7 @@ class Heartbeat(threading.Thread):
         self.lost: set[int] = set()  # trial ids another worker owns now
         self._owned: dict[int, int] = {}
         self._guard = threading.Lock()
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self._said = False
 
     def own(self, trial_id: int, beats) -> None:
@@ -121,10 +121,10 @@ class Heartbeat(threading.Thread):
             self._owned.pop(trial_id, None)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
 
     def run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stopping.wait(self.interval):
             with self._guard:
                 owned = list(self._owned)
             for trial_id in owned:
