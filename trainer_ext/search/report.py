@@ -147,8 +147,9 @@ def draw(study, study_dir: Path) -> list[str]:
 
 
 def draw_workers(study, path: Path) -> bool:
-    """One bar per run of each trial from its start to its end, coloured by the host that ran it: where each trial
-    ran and which ones moved. Only when more than one worker took part."""
+    """One bar per run of each trial from its start to its end, coloured by the host that ran it (hatched: a run
+    whose worker died, until the trial was taken over): where each trial ran and which ones moved. Only when more
+    than one worker took part."""
     import time
 
     trials = [trial for trial in study.get_trials(deepcopy=False) if trial.user_attrs.get("history")]
@@ -160,24 +161,31 @@ def draw_workers(study, path: Path) -> bool:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     colours = {host: plt.get_cmap("tab10")(index % 10) for index, host in enumerate(names)}
     origin = min(run[1] for trial in trials for run in trial.user_attrs["history"])
     figure, axes = plt.subplots(figsize=(8, 0.4 * len(trials) + 1.5))
+    died = False
     for trial in trials:
         runs = trial.user_attrs["history"]
         for index, (host, started, ended) in enumerate(runs):
-            if ended is None:  # a run whose worker died: until the next run began, or now
-                ended = runs[index + 1][1] if index + 1 < len(runs) else (
+            lost = ended is None and index + 1 < len(runs)  # its worker died: hatched, until the next run began
+            died = died or lost
+            if ended is None:
+                ended = runs[index + 1][1] if lost else (
                     trial.datetime_complete.timestamp() if trial.datetime_complete else time.time())
             axes.barh(trial.number, (ended - started) / 60, left=(started - origin) / 60, color=colours[host],
-                      label=host, edgecolor="black", linewidth=0.5)
+                      edgecolor="black", linewidth=0.5, hatch="//" if lost else None)
         taken = trial.user_attrs.get("takeovers", 0)
         if taken:
             axes.annotate(f" taken over {taken}x", ((runs[-1][1] - origin) / 60, trial.number), va="center",
                           fontsize=8)
-    handles = {label: handle for handle, label in zip(*axes.get_legend_handles_labels())}
-    axes.legend(handles.values(), handles.keys(), title="host", loc="best", fontsize=8)
+    keys = [Patch(facecolor=colours[host], edgecolor="black", label=host) for host in names]
+    if died:
+        keys.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="its worker died"))
+    axes.legend(handles=keys, title="host", loc="best", fontsize=8)
+    axes.set_yticks([trial.number for trial in trials])
     axes.set_xlabel("minutes since the first trial started")
     axes.set_ylabel("trial")
     axes.invert_yaxis()
