@@ -107,10 +107,13 @@ def copied_trial(folder: Path) -> dict | None:
 
 
 def remove_remote(uri: str, options: dict | None) -> bool:
-    """Every remote file of a trial; False when there was nothing."""
+    """Every remote file of a trial; False when there was nothing (or another worker removed it meanwhile)."""
     copies = remote(uri, options)
     copies.fs.invalidate_cache()
-    if not copies.fs.exists(copies.root):
+    try:
+        if not copies.fs.exists(copies.root):
+            return False
+        copies.fs.rm(copies.root, recursive=True)
+    except FileNotFoundError:  # workers clean up after the same trial at once
         return False
-    copies.fs.rm(copies.root, recursive=True)
     return True
