@@ -70,7 +70,8 @@ class Search:
         print("\n" + write(self.study, self.settings, self.study_dir, self.me, plots=True), flush=True)
         if self.stopping:
             print(f"trainer-ext search: stopped by {signal.Signals(self.stopping).name}; run the same command to "
-                  "continue the study (interrupted trials resume from their checkpoints)", flush=True)
+                  "continue the study (interrupted trials resume from their checkpoints, here or on another worker of "
+                  "the study)", flush=True)
             return 128 + self.stopping
         return 1 if self.failures >= FAILURES_IN_A_ROW else 0
 
@@ -322,9 +323,9 @@ class Search:
         return self._fail(trial, f"exit status {status}: {_last_error(trial_dir / 'trial.log')}")
 
     def _tell(self, trial: Trial, value=None, state=None) -> None:
+        self.heartbeat.drop(trial.id)
         with self.lock:
             self.study.tell(trial.number, value, state=state)
-        self.heartbeat.drop(trial.id)
 
     def _share_model(self, trial: Trial, attrs: dict, value: float) -> None:
         """A trial that becomes the best: its model to the remote copy too, before the trial is recorded (so another

@@ -131,6 +131,8 @@ class Heartbeat(threading.Thread):
                 self._beat(trial_id)
 
     def _beat(self, trial_id: int) -> None:
+        from optuna.exceptions import UpdateFinishedTrialError
+
         try:
             frozen = self.database.get_trial(trial_id)
             if frozen.state.is_finished():
@@ -146,6 +148,8 @@ class Heartbeat(threading.Thread):
                 self._owned[trial_id] += 1
                 beats = self._owned[trial_id]
             self.database.set_trial_user_attr(trial_id, "heartbeat", beats)
+        except UpdateFinishedTrialError:  # recorded between the look and the beat
+            self.drop(trial_id)
         except Exception as err:  # noqa: BLE001 - the database may be out of reach for a while; beat again later
             if not self._said:
                 print(f"trainer-ext search: heartbeat not recorded ({type(err).__name__}: {err}); trying again every "
