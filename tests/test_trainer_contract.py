@@ -30,7 +30,7 @@ CALLS = {
 
 # Attributes ExtTrainer sets or reads that the Trainer's own code must use under the same name.
 ATTRIBUTES = ("_tr_loss", "_created_lr_scheduler", "_train_batch_size", "model_accepts_loss_kwargs",
-              "loss_is_scaled_for_ga")
+              "loss_is_scaled_for_ga", "compute_metrics", "is_in_train")  # the last two: metrics_check.py
 
 
 def parameters(function):

@@ -16,8 +16,10 @@ from .backends import select_backend
 from .checkpoint import (RunCheckpoints, means_newest, model_fingerprint, newest_valid_checkpoint, read_data_state,
                          staging_dir)
 from .data.loader import dataloader_with_batch_sampler
-from .data.samplers import ResumableBatchSampler
+from .data.samplers import ResumableBatchSampler, check_global_batch
 from .errors import UserError, exits_on_user_error
+from .metrics_check import checked_compute_metrics
+from .output_dir import hold_output_dir, release_output_dir
 from .preemption import Preempted, PreemptionCallback
 from .runtime import (check_process_group, quiet_deepspeed_on_cpu_machines, release_at_exit,
                       share_cores_between_cpu_ranks)
@@ -61,6 +63,7 @@ class ExtTrainer(Trainer):
         self._resume_data_state = None  # that position, read from the checkpoint being resumed
         self.checkpoints = RunCheckpoints(self)  # resume, publish, rotate, --checkpoint_uri
         self.training_already_complete = None  # the checkpoint a re-run found complete (train() then trains nothing)
+        self.compute_metrics = checked_compute_metrics(self)  # not a dict of numbers: one line, progress saved
         self.preemption = PreemptionCallback()
         self.add_callback(self.preemption)
         self.search_trial = trial_callback()  # inside `trainer-ext search`: evaluations reach the study's pruner
@@ -173,6 +176,7 @@ class ExtTrainer(Trainer):
         if self.train_dataset is None:
             raise UserError("ExtTrainer: training requires a train_dataset")
         args = self.args
+        check_global_batch(args, len(self.train_dataset), args.world_size)  # never the data repeated unasked
         batch_sampler = ResumableBatchSampler(
             len(self.train_dataset), self._train_batch_size, rank=args.process_index, world_size=args.world_size,
             seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
@@ -265,6 +269,7 @@ class ExtTrainer(Trainer):
         """Resumes by default: with no `resume_from_checkpoint` (or "auto"/True) the newest complete checkpoint
         in output_dir is used, unless --fresh_start. A SIGTERM/SIGINT ends the run after a checkpoint, with
         `Preempted` (exit status 128 + signal); running the same command again continues exactly."""
+        hold_output_dir(self)  # not the model's own folder, and no other run writing there (output_dir.py)
         self.checkpoints.open_remote()
         module = self.backend.unwrap(self.accelerator.unwrap_model(self.model))
         checkpoint = self.checkpoints.to_resume(resume_from_checkpoint, model_fingerprint(module))
@@ -283,6 +288,9 @@ class ExtTrainer(Trainer):
         self.preemption.install()
         try:
             result = super().train(resume_from_checkpoint=checkpoint, **kwargs)
+        except BaseException:
+            release_output_dir(self)  # a failed run leaves output_dir to the next one at once
+            raise
         finally:
             self.preemption.uninstall()
             self.checkpoints.wait()  # a preempted run's last checkpoint too
