@@ -108,3 +108,88 @@ def train_and_save(trainer, training_args, train_samples: int) -> dict:
     trainer.save_metrics("train", metrics)
     trainer.save_state()
     return metrics
+
+
+# -- checks every recipe makes before its model is loaded ---------------------------------------------------------------
+def check_output_dir(training_args, model_path) -> None:
+    """A training run never writes over the model it starts from, nor into a folder another run is writing (seconds,
+    before the model loads; ExtTrainer.train takes the lock itself)."""
+    from ..output_dir import OutputDirError, check_not_the_model, holder_problem
+
+    if not training_args.do_train:
+        return
+    check_not_the_model(training_args.output_dir, model_path)
+    problem = holder_problem(training_args.output_dir)
+    if problem:
+        raise OutputDirError(problem)
+
+
+def check_best_metric(training_args, metrics: tuple[str, ...]) -> None:
+    """--metric_for_best_model names a metric this task reports (a typo otherwise fails at the first evaluation,
+    after training time was spent)."""
+    from ..errors import closest
+
+    name = getattr(training_args, "metric_for_best_model", None)
+    if not name:
+        return
+    bare = name.removeprefix("eval_")
+    if bare not in metrics:
+        hint = closest(bare, metrics)
+        raise ArgumentsError(f"--metric_for_best_model {name}: this task's evaluation reports "
+                             f"{', '.join(metrics)}" + (f" (did you mean {hint}?)" if hint else ""))
+
+
+# Models whose position ids start after the padding index (RoBERTa's family): max_position_embeddings - 2 usable.
+OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer", "data2vec-text", "xmod", "roberta-prelayernorm")
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_source_positions", "n_ctx")
+
+
+def max_positions(config, tokenizer=None) -> int | None:
+    """The longest sequence the model can take: its tokenizer's model_max_length when set, else its config's learned
+    positions (None: no limit known, e.g. T5's relative positions)."""
+    limits = []
+    tokenizer_limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tokenizer_limit, int) and tokenizer_limit < 10 ** 6:  # unset: VERY_LARGE_INTEGER
+        limits.append(tokenizer_limit)
+    for name in POSITION_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            offset = 2 if getattr(config, "model_type", "") in OFFSET_POSITIONS else 0
+            limits.append(value - offset)
+            break
+    return min(limits) if limits else None
+
+
+def check_sequence_length(flag: str, length: int, config, tokenizer=None, what: str = "model") -> None:
+    """--max_seq_length (or source/target length) within the model's positions: longer ones crash mid-training, at
+    the first batch that long (an index error inside the embedding)."""
+    limit = max_positions(config, tokenizer)
+    if limit is not None and length > limit:
+        raise ArgumentsError(f"{flag} {length} is longer than the {what} accepts ({limit} positions): use {flag} "
+                             f"{limit} or less")
+
+
+def needed_splits(data_args, training_args) -> dict[str, str | None]:
+    """split -> the flag that needs it (None: not needed)."""
+    return {"train": "--do_train" if training_args.do_train else None,
+            "validation": "--do_eval" if training_args.do_eval else
+            "--evaluate_before_training" if data_args.evaluate_before_training else None,
+            "test": "--do_predict" if getattr(training_args, "do_predict", False) else None}
+
+
+def check_needed_splits(needed: dict, files: dict[str, str]) -> None:
+    """needed: split -> the flag that needs it (or None); files: split -> the file given. A split the command needs
+    and the user's files lack is theirs to give: the shipped sets never fill it."""
+    for split, flag in needed.items():
+        if flag and split not in files:
+            given = ", ".join(f"--{name}_file {path}" for name, path in files.items())
+            raise ArgumentsError(f"{flag} needs --{split}_file: your data is {given} (the shipped sets are used only "
+                                 f"when no data file is given); give --{split}_file, or drop {flag}")
+
+
+def shipped_data_note(folder: Path) -> None:
+    """Said once when no data file was given: results then score our sets, not the user's."""
+    from .data_checks import say_once
+
+    say_once(f"no data file given: using the shipped sets in {folder} (give --train_file/--validation_file for "
+             "your own)")

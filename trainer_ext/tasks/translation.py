@@ -72,14 +72,18 @@ class DataArguments:
 
 # -- data ------------------------------------------------------------------------------------------------------
 def data_files(data_args: DataArguments, training_args) -> dict[str, str]:
-    """The files this run reads, checked before anything loads: the splits it uses plus any file named."""
+    """The files this run reads, checked before anything loads: the splits it uses plus any file named; the shipped
+    ones only when no file at all is given (never beside a file of the user's)."""
+    from .common import check_needed_splits, needed_splits, shipped_data_note
+
     given = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-    needed = {"train": training_args.do_train,
-              "validation": training_args.do_eval or data_args.evaluate_before_training,
-              "test": training_args.do_predict}
+    needed = needed_splits(data_args, training_args)
+    shipped = not any(given.values())
+    if not shipped:
+        check_needed_splits(needed, {split: path for split, path in given.items() if path})
     files, missing = {}, []
     for split, path in given.items():
-        if path is None and not needed[split]:
+        if path is None and not (shipped and needed[split]):
             continue
         path = Path(path) if path is not None else SHIPPED_DATA / f"{split}.jsonl"
         if not path.is_file():
@@ -89,22 +93,32 @@ def data_files(data_args: DataArguments, training_args) -> dict[str, str]:
     if missing:
         raise DataFileError("; ".join(missing) + " (give existing JSON lines files, one {\"translation\": "
                             "{source_lang: text, target_lang: text}} per line)")
+    if shipped and files:
+        shipped_data_note(SHIPPED_DATA)
     return files
 
 
 def load_pairs(files: dict[str, str], data_args: DataArguments):
-    import datasets
+    from .data_checks import check_rows, load_files, row
 
-    raw = datasets.load_dataset("json", data_files=files)
+    raw = load_files("json", files)
     for split, dataset in raw.items():
+        check_rows(dataset, files[split], split)
         if "translation" not in dataset.column_names:
             raise DataFileError(f"{files[split]}: no 'translation' field (columns: {dataset.column_names}); "
                                 "each line must be {\"translation\": {source_lang: text, target_lang: text}}")
-        first = dataset[0]["translation"] if len(dataset) else {}
-        for flag, lang in (("--source_lang", data_args.source_lang), ("--target_lang", data_args.target_lang)):
-            if first and lang not in first:
-                raise DataFileError(f"{files[split]}: no {lang!r} text ({flag} {lang}); languages there: "
-                                    f"{sorted(first)}")
+        for index, pair in enumerate(dataset["translation"]):
+            for flag, lang in (("--source_lang", data_args.source_lang), ("--target_lang", data_args.target_lang)):
+                text = pair.get(lang) if isinstance(pair, dict) else None
+                if isinstance(text, str) and text.strip():
+                    continue
+                if not isinstance(pair, dict) or lang not in pair or (index == 0 and text is None):
+                    languages = sorted(k for k, v in pair.items() if v is not None) if isinstance(pair, dict) else []
+                    raise DataFileError(f"{row(files[split], index)}: no {lang!r} text ({flag} {lang}); languages "
+                                        f"there: {languages}")
+                raise DataFileError(f"{row(files[split], index)}: the {lang!r} text is "
+                                    f"{'empty' if text is not None else 'missing (null)'}: every pair needs both "
+                                    "texts (fill it in or remove the line)")
     return raw
 
 
@@ -230,6 +244,18 @@ def _set_token_ids(model, tokenizer, override: bool) -> None:
                 setattr(target, key, value)
 
 
+def check_lengths(config, data_args: DataArguments, training_args) -> None:
+    """Source and target lengths (and generation's) within the encoder's and decoder's positions."""
+    from .common import check_sequence_length
+
+    encoder, decoder = _sub_configs(config) * (2 if config.model_type != "encoder-decoder" else 1)
+    check_sequence_length("--max_source_length", data_args.max_source_length, encoder, what="encoder")
+    check_sequence_length("--max_target_length", data_args.max_target_length, decoder, what="decoder")
+    if training_args.generation_max_length:
+        check_sequence_length("--generation_max_length", training_args.generation_max_length, decoder,
+                              what="decoder")
+
+
 # -- metric ----------------------------------------------------------------------------------------------------
 def decode(sequences, tokenizer) -> list[str]:
     """Token ids -> text; -100 (ignored labels, padding between ranks) reads as padding."""
@@ -258,12 +284,18 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     from ..backends.deepspeed import sharded_loading
     from ..seq2seq import ExtSeq2SeqTrainer
 
+    from .common import check_best_metric, check_output_dir
+
+    check_output_dir(training_args, model_args.model_name_or_path)
+    check_best_metric(training_args, EVAL_METRICS)
     files = data_files(data_args, training_args)
-    Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
+    pairs = load_pairs(files, data_args)  # checked before the model loads
     set_seed(training_args.seed)  # new weights (cross-attention, a config-built model) equal on every rank
     with sharded_loading(training_args):  # ZeRO-3: built and loaded partitioned, never whole on a rank
         model, tokenizer = build_model(model_args)
-    tokenized = tokenize(load_pairs(files, data_args), tokenizer, model, data_args, training_args)
+    check_lengths(model.config, data_args, training_args)
+    tokenized = tokenize(pairs, tokenizer, model, data_args, training_args)
+    Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
 
     generate = training_args.predict_with_generate
     trainer = ExtSeq2SeqTrainer(
