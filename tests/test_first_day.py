@@ -147,6 +147,8 @@ GLUE_DATA_CASES = {
                                           "--gradient_accumulation_steps 1000 x 1 rank(s)) is larger than the 32"),
     "longer than the model's positions": ({"train.jsonl": sentences(32)}, ["--do_train", "--max_seq_length", "1024"],
                                           "--max_seq_length 1024 is longer than the model accepts (512 positions)"),
+    "label column is the text column": ({"train.jsonl": sentences(32)}, ["--do_train", "--label_column", "sentence"],
+                                        "column 'sentence' has 32 different values in 32 rows"),
     "metric for the best model misspelled": ({"train.jsonl": sentences(32)},
                                              ["--do_train", "--metric_for_best_model", "acuracy"],
                                              "--metric_for_best_model acuracy: this task's evaluation reports loss, "
@@ -187,6 +189,29 @@ def test_a_classifier_head_for_other_classes_is_named(tmp_path, capsys, tiny_ber
     err = user_error(capsys, "run_glue", "--model_name_or_path", model, "--output_dir", tmp_path / "out",
                      "--train_file", train, "--do_train", *FAST, *SHORT)
     assert "is a classifier for 2 classes but the data has 3 (a, b, c)" in err and "ignore_mismatched_sizes" in err
+
+
+def test_model_folders_and_files_a_user_gets_wrong(tmp_path, capsys, tiny_bert_dir):
+    """A model folder without tokenizer files trained on [UNK] only (exit 0: transformers 5 builds a tokenizer of
+    special tokens); damaged weights or tokenizer files, or a folder given as a data file, ended in tracebacks."""
+    import shutil
+
+    train = write_lines(tmp_path / "train.jsonl", sentences(16))
+    cases = {"no tokenizer": ("no tokenizer files there", lambda m: [(m / n).unlink() for n in
+                                                                     ("vocab.txt", "tokenizer.json",
+                                                                      "tokenizer_config.json")]),
+             "damaged weights": ("cannot read the model: Error while deserializing header",
+                                 lambda m: (m / "model.safetensors").write_bytes(b"\x10" * 100)),
+             "damaged tokenizer": ("cannot read the tokenizer", lambda m: (m / "tokenizer.json").write_text("{\"v")),
+             "data folder": ("a folder, not a file", None)}
+    for case, (phrase, damage) in cases.items():
+        model = tmp_path / case
+        shutil.copytree(tiny_bert_dir, model)
+        if damage:
+            damage(model)
+        err = user_error(capsys, "run_glue", "--model_name_or_path", model, "--output_dir", tmp_path / "out",
+                         "--train_file", tmp_path if damage is None else train, "--do_train", *FAST, *SHORT)
+        assert phrase in err, case
 
 
 def squad(contexts_and_answers, impossible=0):

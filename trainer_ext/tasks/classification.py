@@ -42,6 +42,10 @@ class DataArguments:
 
     def __post_init__(self):
         if self.dataset_name is None:
+            folders = [f"--{split}_file {path}" for split, path in self.data_files().items() if Path(path).is_dir()]
+            if folders:
+                raise ArgumentsError(f"{', '.join(folders)}: a folder, not a file (give the file itself, or the "
+                                     "folder as --dataset_name)")
             missing = [f"--{split}_file {path}" for split, path in self.data_files().items()
                        if not Path(path).is_file()]
             if missing:
@@ -184,7 +188,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     from ..backends.deepspeed import sharded_loading
     from ..trainer import ExtTrainer
 
-    from .common import check_best_metric, check_output_dir, check_sequence_length
+    from .common import check_best_metric, check_output_dir, check_sequence_length, reading
 
     model_path = model_args.model_name_or_path or shipped_model()
     check_output_dir(training_args, model_path)
@@ -214,7 +218,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
                          id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
     tokenizer = load_tokenizer(model_path, model_args)
     check_sequence_length("--max_seq_length", data_args.max_seq_length, config, tokenizer)
-    with sharded_loading(training_args):  # ZeRO-3: built and loaded partitioned, never whole on a rank
+    with sharded_loading(training_args), reading("--model_name_or_path", model_path, "model"):  # ZeRO-3: partitioned
         model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config,
                                                                    **model_args.model_kwargs)
     transformers.utils.logging.set_verbosity_warning()

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ArgumentsError
+from ..errors import ArgumentsError, UserError
 
 REPO = Path(__file__).resolve().parents[2]  # shipped data lives in a source checkout's data/
 
@@ -62,7 +62,12 @@ def reading(flag: str, value, what: str):
         raise ArgumentsError(f"{flag} {text}: no such {what} folder")
     try:
         yield
-    except OSError as err:  # FileNotFoundError, ConnectionError, datasets' and huggingface_hub's not-found errors
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 - narrowed below to what a missing or damaged file raises
+        damaged = type(err) is Exception or type(err).__module__.lstrip("_").startswith("safetensors")  # tokenizers'
+        if not (isinstance(err, (OSError, ValueError)) or damaged):  # OSError: not found, unreachable; ValueError: JSON
+            raise
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         where = ("" if local else " (a Hub name, and the Hub is unreachable or HF_HUB_OFFLINE is set: give a local "
                  "folder)")
@@ -88,7 +93,18 @@ def load_tokenizer(model_path: str, model_args: ModelArguments):
 
     flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
     with reading(flag, model_args.tokenizer_name or model_path, "tokenizer"):
-        return AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_path, **model_args.tokenizer_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_path, **model_args.tokenizer_kwargs)
+    check_vocabulary(tokenizer, flag, model_args.tokenizer_name or model_path)
+    return tokenizer
+
+
+def check_vocabulary(tokenizer, flag: str, where) -> None:
+    """transformers 5 builds a tokenizer of special tokens only for a model folder without tokenizer files: every word
+    becomes [UNK] and training runs, on nothing."""
+    if len(tokenizer) <= len(set(tokenizer.all_special_tokens)) + 1:
+        raise ArgumentsError(f"{flag} {where}: no tokenizer files there (tokenizer.json, vocab.txt, ...): the tokenizer "
+                             f"would have only its {len(tokenizer)} special tokens and read every word as unknown; copy "
+                             "the tokenizer files of the model's origin into it, or give --tokenizer_name")
 
 
 def first(dataset, limit):

@@ -140,6 +140,9 @@ def training_labels(dataset, column: str, file) -> list[str]:
             raise DataError(f"{row(file, index)}: {column!r} is {value}: labels must be class names or whole numbers "
                             "(this recipe classifies; a regression target is not supported)")
     names = sorted({label_name(v) for v in values}, key=label_order)
+    if len(values) >= 20 and len(names) > len(values) / 2 and any(not n.lstrip("-").isdigit() for n in names):
+        raise DataError(f"{file}: column {column!r} has {len(names)} different values in {len(values)} rows (e.g. "
+                        f"{names[0]!r}): that is not a set of classes; check --label_column (and --text_column)")
     if len(names) < 2:
         raise DataError(f"{file}: every row has the label {names[0]!r} in column {column!r}: a classifier needs at "
                         "least two classes (check --label_column, or add examples of the other classes)")

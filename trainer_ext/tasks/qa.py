@@ -326,7 +326,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     from ..backends.deepspeed import sharded_loading
     from ..trainer import ExtTrainer
 
-    from .common import check_best_metric, check_output_dir, check_sequence_length
+    from .common import check_best_metric, check_output_dir, check_sequence_length, reading
 
     model_path = model_args.model_name_or_path or shipped_model()
     check_output_dir(training_args, model_path)
@@ -339,7 +339,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
         raise ArgumentsError(f"{type(tokenizer).__name__} is not a fast tokenizer: question answering needs the "
                              "offset mapping only fast tokenizers give; pass --tokenizer_name of a fast one")
     check_sequence_length("--max_seq_length", data_args.max_seq_length, config, tokenizer)
-    with sharded_loading(training_args):  # ZeRO-3: built and loaded partitioned, never whole on a rank
+    with sharded_loading(training_args), reading("--model_name_or_path", model_path, "model"):  # ZeRO-3: partitioned
         model = AutoModelForQuestionAnswering.from_pretrained(model_path, config=config, **model_args.model_kwargs)
     transformers.utils.logging.set_verbosity_warning()
 

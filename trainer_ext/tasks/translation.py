@@ -211,14 +211,18 @@ def build_model(model_args: ModelArguments):
     config_only = (path.is_file() and path.suffix == ".json") or (path.is_dir() and not _has_weights(path))
     folder = path.parent if path.is_file() else path
     own_tokenizer = folder.is_dir() and any((folder / f).is_file() for f in TOKENIZER_FILES)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or (folder if own_tokenizer else shipped_model()),
-                                              **model_args.tokenizer_kwargs)
+    flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
+    with reading(flag, model_args.tokenizer_name or name, "tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or (folder if own_tokenizer
+                                                                                else shipped_model()),
+                                                  **model_args.tokenizer_kwargs)
     with reading("--model_name_or_path", name, "model"):
         config = AutoConfig.from_pretrained(name)
     for sub in _sub_configs(config):
         adjust_config(sub, model_args.dropout, model_args.config_overrides, model_args.config_kwargs)
     if not config_only:
-        model = AutoModelForSeq2SeqLM.from_pretrained(name, config=config, **model_args.model_kwargs)
+        with reading("--model_name_or_path", name, "model"):
+            model = AutoModelForSeq2SeqLM.from_pretrained(name, config=config, **model_args.model_kwargs)
         _set_token_ids(model, tokenizer, override=False)
         return model, tokenizer
     if not own_tokenizer:  # the config was written for another vocabulary: fit it to the shipped tokenizer
