@@ -149,6 +149,9 @@ GLUE_DATA_CASES = {
                                           "--max_seq_length 1024 is longer than the model accepts (512 positions)"),
     "label column is the text column": ({"train.jsonl": sentences(32)}, ["--do_train", "--label_column", "sentence"],
                                         "column 'sentence' has 32 different values in 32 rows"),
+    "no evaluation sample": ({"train.jsonl": sentences(16), "validation.jsonl": sentences(4)},
+                             ["--do_train", "--do_eval", "--max_eval_samples", "0"],
+                             "--max_eval_samples 0: must be at least 1 (leave it unset for every sample)"),
     "metric for the best model misspelled": ({"train.jsonl": sentences(32)},
                                              ["--do_train", "--metric_for_best_model", "acuracy"],
                                              "--metric_for_best_model acuracy: this task's evaluation reports loss, "
@@ -212,6 +215,17 @@ def test_model_folders_and_files_a_user_gets_wrong(tmp_path, capsys, tiny_bert_d
         err = user_error(capsys, "run_glue", "--model_name_or_path", model, "--output_dir", tmp_path / "out",
                          "--train_file", tmp_path if damage is None else train, "--do_train", *FAST, *SHORT)
         assert phrase in err, case
+
+
+def test_files_datasets_reads_pass_the_checks(tmp_path):
+    """The file checks must not refuse what datasets reads: a BOM, Windows line ends, blank lines, a JSON array."""
+    from trainer_ext.tasks.data_checks import first_problem
+
+    line = json.dumps({"sentence": "a", "label": 1})
+    (tmp_path / "bom.jsonl").write_text(f"{line}\n{line}\n", encoding="utf-8-sig")
+    (tmp_path / "crlf.jsonl").write_bytes(f"{line}\r\n\r\n{line}\r\n".encode())
+    (tmp_path / "array.json").write_text(f"[{line}, {line}]")
+    assert [first_problem(tmp_path / name) for name in ("bom.jsonl", "crlf.jsonl", "array.json")] == [None] * 3
 
 
 def squad(contexts_and_answers, impossible=0):

@@ -402,10 +402,13 @@ class _Resolver:
 
     def untested_optimizer(self):
         """ZeRO refuses an optimizer it was not tested with (torch's SGD, ...) unless the file allows it."""
-        name = (self.config.get("optimizer") or {}).get("type") if isinstance(self.config.get("optimizer"), dict) else None
-        stage = (self.config.get("zero_optimization") or {}).get("stage", 0)
-        if (isinstance(name, str) and optimizer_type_problem(name) is None and name.lower() not in ZERO_TESTED_OPTIMIZERS
-                and isinstance(stage, int) and stage > 0 and self.config.get("zero_allow_untested_optimizer") is not True):
+        optimizer, zero = self.config.get("optimizer"), self.config.get("zero_optimization")
+        name = optimizer.get("type") if isinstance(optimizer, dict) else None
+        stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+        allowed = self.config.get("zero_allow_untested_optimizer") is True
+        tested = isinstance(name, str) and name.lower() in ZERO_TESTED_OPTIMIZERS
+        if (isinstance(name, str) and optimizer_type_problem(name) is None and not tested
+                and isinstance(stage, int) and stage > 0 and not allowed):
             self.problems.append(f"optimizer.type {json.dumps(name)} under ZeRO stage {stage}: DeepSpeed refuses an "
                                  "optimizer it did not test with ZeRO unless the file sets "
                                  "\"zero_allow_untested_optimizer\": true (add it, or use AdamW)")

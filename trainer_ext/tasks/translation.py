@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import ArgumentsError
 from .common import ModelArguments as CommonModelArguments
-from .common import reading, shipped_model, train_and_save
+from .common import check_sample_limits, reading, shipped_model, train_and_save
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class DataArguments:
     evaluate_before_training: bool = field(default=False, metadata={"help": "Report validation metrics first."})
 
     def __post_init__(self):
+        check_sample_limits(self)
         if self.source_lang == self.target_lang:
             raise ArgumentsError(f"--source_lang and --target_lang are both {self.source_lang!r}: give two languages")
         for name in ("max_source_length", "max_target_length"):
