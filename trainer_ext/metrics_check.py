@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
+from pathlib import Path
 
 from .errors import UserError
 
@@ -71,6 +72,8 @@ def checked_compute_metrics(trainer):
         if saved:
             error.outcome = (f"the training so far is saved in {saved}: once compute_metrics is fixed, the same "
                              "command continues from it")
+        elif trainer.state.global_step > 0 and any(Path(trainer.args.output_dir).glob("model*.safetensors")):
+            error.outcome = f"the trained model in {trainer.args.output_dir} is kept"  # evaluating after training
         raise error
 
     checked.checked_by_trainer_ext = True
@@ -80,8 +83,6 @@ def checked_compute_metrics(trainer):
 
 def save_training_so_far(trainer) -> str | None:
     """Inside train(): write a checkpoint at the current step (every rank takes part); its folder, or None."""
-    from pathlib import Path
-
     if not getattr(trainer, "is_in_train", False) or trainer.state.global_step <= 0:
         return None
     folder = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
