@@ -309,6 +309,20 @@ def test_global_batch_against_the_data_on_any_world_size():
     assert global_batch_problem(args, 3, world_size=2) is None
 
 
+@pytest.mark.launch
+def test_three_rows_on_two_ranks_with_batch_eight(tmp_path):
+    """torchrun with 2 ranks, batch 8 and 3 training rows trained 16 samples a step and called it an epoch, exit 0."""
+    from conftest import free_port, launcher
+
+    out = run([*launcher("torchrun"), "--nproc_per_node", 2, "--master_port", free_port(), TINY_TRAIN, "--output_dir",
+               tmp_path / "out", "--num_samples", 3, "--per_device_train_batch_size", 8, "--num_train_epochs", 1,
+               "--report_to", "none"], timeout=300)
+    assert out.returncode != 0, out.stderr[-3000:]  # torchrun's own ChildFailedError traceback follows the line
+    assert "tiny_train.py: error: a global batch of 16 samples (--per_device_train_batch_size 8 x --gradient_accumulation_steps 1 x 2 " \
+           "rank(s)) is larger than the 3 training sample(s)" in out.stderr
+    assert not (tmp_path / "out" / "train_results.json").exists()
+
+
 # -- values transformers would coerce silently, and one validation for preview and training --------------------------
 
 @pytest.mark.parametrize("flags,phrase", [
