@@ -86,6 +86,7 @@ def save_training_so_far(trainer) -> str | None:
     if not getattr(trainer, "is_in_train", False) or trainer.state.global_step <= 0:
         return None
     folder = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
-    if not folder.is_dir():
+    if not folder.is_dir():  # as transformers saves at a step: the checkpoint, then on_save (which publishes it)
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+        trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state, trainer.control)
     return str(folder)
