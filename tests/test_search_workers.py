@@ -224,7 +224,8 @@ def test_a_trials_worker_is_gone_when_its_process_or_its_heartbeat_says_so():
     grace period (a moving one resets it); a worker that stopped cleanly, or none recorded, hands on at once."""
     from types import SimpleNamespace
 
-    from trainer_ext.search.workers import STOPPED, Watch, this_process, this_worker
+    from trainer_ext.processes import this_process
+    from trainer_ext.search.workers import STOPPED, Watch, this_worker
 
     me = this_worker(Path("/study"))
     watch, later = Watch(me, grace_period=3600), Watch(me, grace_period=0)

@@ -21,7 +21,7 @@ from .backends.fairscale import OPTIONS as SHARDED_DDP_OPTIONS
 from .deepspeed_config import FLAG_RANGES, out_of_range
 from .checkpoint import CheckpointNotFoundError
 from .errors import ArgumentsError, UserError, closest, debugging, main_process
-from .runtime import prepare_cpu_ranks, quiet_deepspeed_on_cpu_machines
+from .runtime import check_rank_variables, prepare_cpu_ranks, quiet_deepspeed_on_cpu_machines
 from .settings import merge_warmup_ratio
 
 logger = logging.getLogger(__name__)
@@ -93,16 +93,46 @@ def flag_problems(args) -> list[str]:
             return otherwise
 
     checked(check_fp16_backend, args.fp16_backend, args.fp16_opt_level)
+    if getattr(args, "use_cpu", False) and args.fp16:  # whatever this machine has: a preview says it too
+        problems.append("--fp16 with --use_cpu: fp16 needs a CUDA device and --use_cpu trains on the CPU; use --bf16 "
+                        "(or fp32) on CPU, or drop --use_cpu")
     args.warmup_steps = checked(merge_warmup_ratio, args.warmup_steps, args.warmup_ratio, otherwise=args.warmup_steps)
     args.class_weights = checked(parse_class_weights, args.class_weights)
     args.checkpoint_storage_options = checked(parse_storage_options, args.checkpoint_storage_options, otherwise={})
     return problems + selection_problems(args) + value_problems(args)
 
 
+STEPS = "a whole number of steps, or a ratio in (0, 1) of the training steps"
+# Values transformers would silently replace or ignore (TrainingArguments.__post_init__ and the Trainer, 5.23): each
+# flag -> (holds for the value, what it must be). None (unset) always holds.
+TRAINING_RANGES = {
+    "logging_steps": (lambda v: v > 0, f"must be > 0 ({STEPS}); transformers would log at negative multiples"),
+    "eval_steps": (lambda v: v > 0, f"must be > 0 ({STEPS}); transformers would use --logging_steps instead (leave "
+                                    "it unset for that)"),
+    "save_steps": (lambda v: v > 0, f"must be > 0 ({STEPS}); transformers would never save (--save_strategy no "
+                                    "says that)"),
+    "save_total_limit": (lambda v: v >= 1, "must be at least 1; transformers would keep every checkpoint (leave it "
+                                           "unset for that)"),
+    "max_steps": (lambda v: v == -1 or v > 0, "must be a positive number of steps, or -1 to train "
+                                              "--num_train_epochs (transformers would ignore it)"),
+    "num_train_epochs": (lambda v: v >= 0, "must be >= 0"),
+    "eval_delay": (lambda v: v >= 0, "must be >= 0 (steps or epochs before the first evaluation)"),
+    "label_smoothing_factor": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "dataloader_num_workers": (lambda v: v >= 0, "must be >= 0 (0: load in the main process)"),
+    "eval_accumulation_steps": (lambda v: v >= 1, "must be at least 1"),
+    "seed": (lambda v: 0 <= v < 2 ** 32, "must be in [0, 2**32) (numpy's seed range)"),
+    "data_seed": (lambda v: 0 <= v < 2 ** 32, "must be in [0, 2**32) (numpy's seed range)"),
+}
+
+
 def value_problems(args) -> list[str]:
-    """Flags out of FLAG_RANGES, and a training run with nothing to train."""
+    """Flags out of FLAG_RANGES or TRAINING_RANGES, and a training run with nothing to train."""
     problems = [f"--{flag} {getattr(args, flag)}: {why}" for flag in FLAG_RANGES
                 if (why := out_of_range(flag, getattr(args, flag)))]
+    for flag, (holds, requirement) in TRAINING_RANGES.items():
+        value = getattr(args, flag, None)
+        if value is not None and isinstance(value, (int, float)) and not isinstance(value, bool) and not holds(value):
+            problems.append(f"--{flag} {value:g}: {requirement}")
     if args.do_train and args.max_steps <= 0 and args.num_train_epochs <= 0:
         problems.append(f"--num_train_epochs {args.num_train_epochs} and --max_steps {args.max_steps}: nothing "
                         "to train; give a positive --num_train_epochs or --max_steps")
@@ -152,6 +182,10 @@ class ExtTrainingArguments(TrainingArguments):
         default=None, metadata={"help": "Copy every complete checkpoint here (any fsspec URL: s3://bucket/prefix, "
                                         "gs://..., a local path); start from the newest one when output_dir has none."}
     )
+    repeat_small_dataset: bool = field(
+        default=False, metadata={"help": "Train although one global batch is larger than the training data (each "
+                                         "step then repeats its samples); refused otherwise."}
+    )
     checkpoint_storage_options: str | None = field(
         default=None, metadata={"help": "fsspec options for --checkpoint_uri as JSON, e.g. "
                                         '\'{"endpoint_url": "http://127.0.0.1:9000"}\'.'}
@@ -165,6 +199,7 @@ class ExtTrainingArguments(TrainingArguments):
         return self
 
     def __post_init__(self):
+        check_rank_variables()  # leftover WORLD_SIZE/RANK without a launcher: seconds, not a wait for peers forever
         quiet_deepspeed_on_cpu_machines()
         if problems := flag_problems(self):  # what this machine cannot change; trainer-ext ds-config runs the same
             raise ArgumentsError("\n".join(problems))

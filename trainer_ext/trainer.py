@@ -18,9 +18,11 @@ from . import progress
 from .backends import select_backend
 from .checkpoint import AUTO, model_fingerprint, newest_valid_checkpoint, read_data_state, resume_request
 from .data.loader import dataloader_with_batch_sampler, stream_dataloader
-from .data.samplers import ResumableBatchSampler
+from .data.samplers import ResumableBatchSampler, check_global_batch
 from .data.stream import TrainingStream, is_stream
 from .errors import UserError, install_excepthook
+from .metrics_check import checked_compute_metrics
+from .output_dir import hold_output_dir, release_output_dir
 from .preemption import Preempted, PreemptionCallback
 from .private_hooks import PrivateTrainerHooks
 from .run_checkpoints import RunCheckpoints
@@ -76,6 +78,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         for callback in self.backend.callbacks(self):
             self.add_callback(callback)
         self.training_already_complete = None  # the checkpoint a re-run found complete (train() then trains nothing)
+        self.compute_metrics = checked_compute_metrics(self)  # not a dict of numbers: one line, progress saved
         self.preemption = PreemptionCallback()
         self.add_callback(self.preemption)
         self.search_trial = trial_callback()  # inside `trainer-ext search`: evaluations reach the study's pruner
@@ -209,6 +212,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                     logger.warning("resuming: %s", how)
             dataloader = stream_dataloader(self, order)
         else:
+            check_global_batch(args, len(self.train_dataset), args.world_size)  # never the data repeated unasked
             order = ResumableBatchSampler(
                 len(self.train_dataset), self._train_batch_size, seed=args.data_seed if args.data_seed is not None
                 else args.seed, drop_last=args.dataloader_drop_last, **shape)
@@ -257,6 +261,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         error when there is none), False none, a path that one. A SIGTERM/SIGINT ends the run after a checkpoint,
         with `Preempted` (exit status 128 + signal); running the same command again continues exactly."""
         self.training_already_complete, self._resume, self._learning_rate_in_use = None, None, None
+        hold_output_dir(self)  # not the model's own folder, and no other run writing there (output_dir.py)
         self.checkpoints.open_remote()
         self.checkpoints.clear_staging()
         # No model yet: model_init builds it inside train() (hyperparameter_search drops it between trials).
@@ -279,6 +284,9 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self.preemption.install()
         try:
             result = super().train(resume_from_checkpoint=checkpoint, **kwargs)
+        except BaseException:
+            release_output_dir(self)  # a failed run leaves output_dir to the next one at once
+            raise
         finally:
             self.preemption.uninstall()
             self.checkpoints.wait()  # a preempted run's last checkpoint too

@@ -19,7 +19,8 @@ from .launch import Launcher, device_slots, group_gone, start, stop, stop_and_wa
 from .report import keep_best, short, trial_outcome, write
 from .space import SearchSettings, trial_flags
 from .study import open_study, shown, storage, trial_id, with_sampler
-from .workers import STOPPED, Heartbeat, StudyLock, Watch, alive, same_process, this_process, this_worker
+from ..processes import alive, same_process, this_process
+from .workers import STOPPED, Heartbeat, StudyLock, Watch, this_worker
 
 POLL_S = 0.5
 FAILURES_IN_A_ROW = 3  # then the search stops starting trials: the experiment itself is likely broken

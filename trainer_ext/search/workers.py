@@ -5,42 +5,17 @@ trials it runs, and how another worker decides that a trial's worker is gone."""
 from __future__ import annotations
 
 import hashlib
-import socket
 import threading
 import time
 
+from ..processes import alive, same_process, this_process
+
 STOPPED = "stopped"  # the heartbeat of a trial whose worker stopped cleanly (SIGTERM): others may continue it at once
-
-
-def this_process(pid: int | None = None) -> dict:
-    """Identity of a process on this machine that survives pid reuse: host, pid and start time."""
-    import psutil
-
-    process = psutil.Process(pid)
-    return {"host": socket.gethostname(), "pid": process.pid, "started": process.create_time()}
 
 
 def this_worker(study_dir) -> dict:
     """A worker: its process and its study folder (where its trials' folders are)."""
     return {**this_process(), "study_dir": str(study_dir)}
-
-
-def same_process(a: dict | None, b: dict | None) -> bool:
-    return bool(a and b) and all(a.get(key) == b.get(key) for key in ("host", "pid", "started"))
-
-
-def alive(record: dict | None) -> bool | None:
-    """Whether the process recorded is still running; None when it runs on another machine (we cannot tell)."""
-    import psutil
-
-    if not record:
-        return False
-    if record.get("host") != socket.gethostname():
-        return None
-    try:
-        return abs(psutil.Process(record["pid"]).create_time() - record["started"]) < 0.01
-    except psutil.Error:
-        return False
 
 
 class StudyLock:
