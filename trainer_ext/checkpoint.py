@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from .errors import UserError
+from .sagemaker import checkpoints_to_keep
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +192,11 @@ def check_compatible(checkpoint, fingerprint: dict) -> None:
 
 # -- one run's checkpoints, as ExtTrainer uses them --------------------------------------------------------------------
 
+def checkpoint_folder(args) -> str:
+    """Where a run writes and resumes its checkpoints: --checkpoint_dir (set for a SageMaker job), else output_dir."""
+    return getattr(args, "checkpoint_dir", None) or args.output_dir
+
+
 def means_newest(requested) -> bool:
     """None, "auto", True, or the command line's "true"/"True": the newest intact checkpoint in output_dir, if any."""
     return requested is None or requested is True or (isinstance(requested, str) and requested in
@@ -230,11 +236,11 @@ class RunCheckpoints:
             found = self.newest_intact()
             if found is None and self.remote is not None:
                 if self.args.should_save:
-                    self.remote.download_newest(self.args.output_dir)
+                    self.remote.download_newest(checkpoint_folder(self.args))
                 trainer.accelerator.wait_for_everyone()
                 found = self.newest_intact()
             if trainer.is_world_process_zero() and not found:
-                logger.info("no complete checkpoint in %s: starting from scratch", self.args.output_dir)
+                logger.info("no complete checkpoint in %s: starting from scratch", checkpoint_folder(self.args))
             checkpoint = str(found) if found else None
         else:
             checkpoint = str(requested)
@@ -254,7 +260,8 @@ class RunCheckpoints:
 
     def newest_intact(self) -> Path | None:
         """The newest complete checkpoint whose files are all as written (sizes and checksums)."""
-        return self.decided_by_main_process(lambda: newest_valid_checkpoint(self.args.output_dir, checksums=True))
+        return self.decided_by_main_process(lambda: newest_valid_checkpoint(checkpoint_folder(self.args),
+                                                                            checksums=True))
 
     def decided_by_main_process(self, decide):
         """`decide()` run once, by the main process (reading a checkpoint's files once, not once per rank), and its
@@ -306,7 +313,7 @@ class RunCheckpoints:
         best = state.best_model_checkpoint
         if best and Path(best).parent == staged:
             state.best_model_checkpoint = str(final)
-        deleted = rotate(run_dir, self.args.save_total_limit,
+        deleted = rotate(run_dir, checkpoints_to_keep(self.args.save_total_limit),
                          keep=Path(state.best_model_checkpoint) if state.best_model_checkpoint else None)
         if self.remote is not None:  # in the background: the next step does not wait for the copy
             self.remote.upload(final)

@@ -4,6 +4,7 @@ custom losses without subclassing, and the backend chosen once at construction."
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -13,14 +14,15 @@ from transformers import Trainer
 
 from . import progress
 from .backends import select_backend
-from .checkpoint import (RunCheckpoints, means_newest, model_fingerprint, newest_valid_checkpoint, read_data_state,
-                         staging_dir)
+from .checkpoint import (RunCheckpoints, checkpoint_folder, means_newest, model_fingerprint, newest_valid_checkpoint,
+                         read_data_state, staging_dir)
 from .data.loader import dataloader_with_batch_sampler
 from .data.samplers import ResumableBatchSampler
 from .errors import UserError, exits_on_user_error
 from .preemption import Preempted, PreemptionCallback
 from .runtime import (check_process_group, quiet_deepspeed_on_cpu_machines, release_at_exit,
                       share_cores_between_cpu_ranks)
+from .sagemaker import prepare_arguments as prepare_sagemaker
 from .search.callback import trial_callback
 from .settings import OptimizerSettings, SchedulerSettings
 
@@ -42,6 +44,8 @@ class ExtTrainer(Trainer):
                  class_weights=None, optimizer_settings: OptimizerSettings | None = None,
                  scheduler_settings: SchedulerSettings | None = None, **kwargs):
         quiet_deepspeed_on_cpu_machines()  # plain TrainingArguments did not
+        if args is not None:
+            prepare_sagemaker(args)  # plain TrainingArguments in a SageMaker job: model, checkpoints, logs placed
         self.backend = select_backend(args)
         if args is not None:
             self.backend.check(args)
@@ -287,7 +291,7 @@ class ExtTrainer(Trainer):
             self.preemption.uninstall()
             self.checkpoints.wait()  # a preempted run's last checkpoint too
         if self.preemption.signum:
-            saved = newest_valid_checkpoint(self.args.output_dir)
+            saved = newest_valid_checkpoint(checkpoint_folder(self.args))
             logger.warning("preempted: checkpoint %s written; run the same command again to resume", saved)
             raise Preempted(self.preemption.signum, saved)
         if self.search_trial is not None:
@@ -304,8 +308,12 @@ class ExtTrainer(Trainer):
         return str(staging) if staging is not None else super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial):
-        run_dir = Path(super()._get_output_dir(trial))
+        run_dir = Path(checkpoint_folder(self.args) if trial is None else super()._get_output_dir(trial))
         self.checkpoints.staging = staging_dir(run_dir)
+        leftover = self.checkpoints.staging / f"checkpoint-{self.state.global_step}"
+        if self.args.should_save and leftover.exists():  # a save cut off earlier (or S3's copy of one, on SageMaker)
+            shutil.rmtree(leftover)
+        self.accelerator.wait_for_everyone()  # before any rank writes into it
         try:
             super()._save_checkpoint(model, trial)
         finally:

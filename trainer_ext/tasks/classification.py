@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArgumentsError
-from .common import REPO, ModelArguments, first, load_config, load_tokenizer, shipped_model, train_and_save
+from .common import (REPO, ModelArguments, first, load_config, load_tokenizer, shipped_model, train_and_save,
+                     with_channels)
 
 SHIPPED_DATA = REPO / "data" / "classification"
 EVAL_METRICS = ("loss", "accuracy")  # what evaluation reports (eval_*): `trainer-ext search` checks its metric
@@ -48,7 +49,8 @@ class DataArguments:
             raise ArgumentsError(f"--max_seq_length {self.max_seq_length} must be at least 1")
 
     def data_files(self) -> dict[str, str]:
-        given = {"train": self.train_file, "validation": self.validation_file, "test": self.test_file}
+        given = with_channels({"train": self.train_file, "validation": self.validation_file, "test": self.test_file},
+                              (".jsonl", ".json", ".csv"))
         return {split: str(path or SHIPPED_DATA / f"{split}.jsonl") for split, path in given.items()}
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ArgumentsError
+from ..sagemaker import channel_files
 
 REPO = Path(__file__).resolve().parents[2]  # shipped data lives in a source checkout's data/
 
@@ -89,6 +90,13 @@ def load_tokenizer(model_path: str, model_args: ModelArguments):
     flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
     with reading(flag, model_args.tokenizer_name or model_path, "tokenizer"):
         return AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_path, **model_args.tokenizer_kwargs)
+
+
+def with_channels(given: dict, suffixes: tuple[str, ...]) -> dict:
+    """The data files the flags name; in a SageMaker job a split with none comes from its data channel
+    (SM_CHANNEL_TRAIN / _VALIDATION / _TEST), when the job has one."""
+    channels = channel_files(suffixes)
+    return {split: path or channels.get(split) for split, path in given.items()}
 
 
 def first(dataset, limit):

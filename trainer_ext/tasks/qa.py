@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArgumentsError
-from .common import REPO, ModelArguments, first, load_config, load_tokenizer, shipped_model, train_and_save
+from .common import (REPO, ModelArguments, first, load_config, load_tokenizer, shipped_model, train_and_save,
+                     with_channels)
 
 logger = logging.getLogger(__name__)
 
@@ -282,8 +283,8 @@ class DataArguments:
 
     def data_files(self) -> dict[str, str]:
         suffix = "_v2" if self.version_2_with_negative else ""
-        return {"train": self.train_file or str(SHIPPED_DATA / f"train{suffix}.json"),
-                "validation": self.validation_file or str(SHIPPED_DATA / f"validation{suffix}.json")}
+        given = with_channels({"train": self.train_file, "validation": self.validation_file}, (".json",))
+        return {split: path or str(SHIPPED_DATA / f"{split}{suffix}.json") for split, path in given.items()}
 
 
 def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> dict:

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import ArgumentsError
 from .common import ModelArguments as CommonModelArguments
-from .common import reading, shipped_model, train_and_save
+from .common import reading, shipped_model, train_and_save, with_channels
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ class DataArguments:
 # -- data ------------------------------------------------------------------------------------------------------
 def data_files(data_args: DataArguments, training_args) -> dict[str, str]:
     """The files this run reads, checked before anything loads: the splits it uses plus any file named."""
-    given = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+    given = with_channels({"train": data_args.train_file, "validation": data_args.validation_file,
+                           "test": data_args.test_file}, (".jsonl", ".json"))
     needed = {"train": training_args.do_train,
               "validation": training_args.do_eval or data_args.evaluate_before_training,
               "test": training_args.do_predict}
