@@ -75,7 +75,7 @@ def eval_loss(folder: Path) -> float:
     return json.loads((folder / "eval_results.json").read_text())["eval_loss"]
 
 
-# -- a spot job: the uninterrupted reference, shared by the tests below -------------------------------------------------
+# -- a spot job: the uninterrupted reference, shared by the tests below ------------------------------------------------
 # A constant rate: the first N steps of any run of these hyperparameters are the reference's first N.
 STEPS, SAVE_STEPS = 120, 40
 SPOT = {"do_train": True, "do_eval": True, "max_steps": STEPS, "save_steps": SAVE_STEPS, "logging_steps": 1,
@@ -116,8 +116,8 @@ def test_spot_stop_then_restart_on_a_new_instance_finishes_the_job(uninterrupted
     first = tmp_path / "first"
     env = write_job(first, TINY_TRAIN, SPOT)
     with open(tmp_path / "first.log", "w") as log:
-        job = subprocess.Popen(["train"], env={**clean_env(), "PYTHONUNBUFFERED": "1", **env}, cwd=first, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+        job = subprocess.Popen(["train"], env={**clean_env(), "PYTHONUNBUFFERED": "1", **env}, cwd=first,
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         sent = stop_like_spot(job, first / "checkpoints" / f"checkpoint-{SAVE_STEPS}" / MARKER)
     text = (tmp_path / "first.log").read_text()
     saved = newest_valid_checkpoint(first / "checkpoints")
@@ -281,7 +281,7 @@ def parse(argv):
 
 
 def test_outside_a_job_nothing_changes(tmp_path, monkeypatch):
-    """Detection would fire outside SageMaker (moving a user's model, checkpoints or logs) or parse lists differently."""
+    """Detection would fire outside SageMaker (moving a user's model, checkpoints, logs) or parse lists differently."""
     for key in [key for key in os.environ if key.startswith("SM_")]:
         monkeypatch.delenv(key)
     assert sagemaker.current_job() is None
