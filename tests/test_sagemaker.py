@@ -78,7 +78,7 @@ def eval_loss(folder: Path) -> float:
 # -- a spot job: the uninterrupted reference, shared by the tests below ------------------------------------------------
 # A constant rate: the first N steps of any run of these hyperparameters are the reference's first N.
 STEPS, SAVE_STEPS = 120, 40
-SPOT = {"do_train": True, "do_eval": True, "max_steps": STEPS, "save_steps": SAVE_STEPS, "logging_steps": 1,
+SPOT = {"do_train": True, "eval_samples": 64, "max_steps": STEPS, "save_steps": SAVE_STEPS, "logging_steps": 1,
         "per_device_train_batch_size": 8, "learning_rate": 1e-3, "lr_scheduler_type": "constant", "seed": 7,
         "report_to": "none", "disable_tqdm": True}
 
@@ -221,7 +221,7 @@ def test_deepspeed_file_from_source_dir_trains_zero2_inside_a_job(uninterrupted,
     config = tmp_path / "ds_zero2.json"
     shutil.copy(REPO / "ds_configs" / "zero2_minimal.json", config)
     root = tmp_path / "job"
-    out = run_job(root, TINY_TRAIN, {**SPOT, "do_eval": False, "max_steps": 6, "save_steps": 3,
+    out = run_job(root, TINY_TRAIN, {**SPOT, "eval_samples": 0, "max_steps": 6, "save_steps": 3,
                                      "deepspeed": config.name}, extra_files=[config])
     assert "backend deepspeed" in out.stdout
     ours, reference = logged(root / "model"), logged(uninterrupted / "model")
@@ -240,7 +240,7 @@ def test_two_hosts_train_as_one_job(uninterrupted, tmp_path):
         if probe.connect_ex(("127.0.0.1", 7777)) == 0:
             pytest.skip("port 7777, which the toolkit uses between hosts, is taken on this machine")
     hosts = ("127.0.0.1", "localhost")  # names any machine resolves; SageMaker's are algo-1, algo-2
-    hyperparameters = {**SPOT, "do_eval": False, "max_steps": 10, "save_steps": 5}
+    hyperparameters = {**SPOT, "eval_samples": 0, "max_steps": 10, "save_steps": 5}
     jobs = []
     for index, host in enumerate(hosts):
         root = tmp_path / f"host{index + 1}"

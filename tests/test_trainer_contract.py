@@ -1,6 +1,7 @@
 """The parts of transformers' Trainer that ExtTrainer relies on, checked against the installed release: every method
-it overrides (private ones move between minor releases), every private method it calls, every attribute it sets for
-the Trainer to read. A rename would otherwise leave an override silently never called."""
+it overrides (private ones move between minor releases, so they are few and all in private_hooks.py), every private
+method it calls, every attribute it sets for the Trainer to read. A rename would otherwise leave an override silently
+never called."""
 
 import inspect
 
@@ -10,16 +11,21 @@ from transformers import Trainer
 
 import transformers.trainer
 from trainer_ext import ExtTrainer
+from trainer_ext.private_hooks import PrivateTrainerHooks
 
 pytestmark = pytest.mark.oldest
 
 # ExtTrainer's own methods; anything else it defines must override a Trainer method.
-OWN = {"_custom_loss_requested", "_custom_loss", "_loss_uses_num_items"}
+OWN = {"_custom_loss_requested", "_custom_loss", "_loss_uses_num_items", "training_order_state"}
+# The private Trainer methods ExtTrainer overrides, each with its reason in private_hooks.py and README's "Supported
+# versions"; everything else rides on public hooks.
+PRIVATE_OVERRIDES = {"_get_output_dir", "_wrap_model", "_clip_grad_norm", "_finalize_training"}
 
 # Trainer methods ExtTrainer calls (not overrides), with the arguments it passes them (checkpoint.py's RunCheckpoints and
 # data/loader.py call some of them on its behalf).
 CALLS = {
     "_load_from_checkpoint": ("checkpoint",),
+    "_load_callback_state": (),
     "_remove_unused_columns": ("dataset", "description"),
     "_get_collator_with_removed_columns": ("collator", "description"),
     "_prepare_inputs": ("inputs",),
@@ -59,7 +65,7 @@ def test_every_override_and_call_matches_the_installed_trainer():
     follow it)."""
     version = transformers.__version__
     problems = []
-    for name, ours in vars(ExtTrainer).items():
+    for name, ours in {**vars(PrivateTrainerHooks), **vars(ExtTrainer)}.items():
         if not callable(ours) or name.startswith("__") or name in OWN:
             continue
         theirs = getattr(Trainer, name, None)
@@ -82,6 +88,18 @@ def test_every_override_and_call_matches_the_installed_trainer():
     problems += [f"transformers {version}'s Trainer never uses self.{name}, which ExtTrainer relies on"
                  for name in ATTRIBUTES if f"self.{name}" not in source]
     assert not problems, "\n".join(problems)
+
+
+def test_private_overrides_are_the_four_in_their_module():
+    """Fails when ExtTrainer overrides a private Trainer method outside private_hooks.py, or that module grows: each
+    private override breaks on some transformers release, so every one must be unavoidable and said why in README."""
+    ours = {name for cls in ExtTrainer.__mro__ if cls.__module__.startswith("trainer_ext") for name in vars(cls)
+            if name.startswith("_") and not name.startswith("__") and name not in OWN and hasattr(Trainer, name)}
+    assert ours == PRIVATE_OVERRIDES
+    assert {name for name in vars(PrivateTrainerHooks) if not name.startswith("__")} == PRIVATE_OVERRIDES
+    assert not PRIVATE_OVERRIDES & set(vars(ExtTrainer))
+    readme = (__import__("pathlib").Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert all(f"`{name}`" in readme for name in PRIVATE_OVERRIDES)
 
 
 def test_a_custom_loss_is_divided_by_the_accumulation_steps(tmp_path):

@@ -19,7 +19,8 @@ from transformers import HfArgumentParser, TrainingArguments
 from .backends import backend_class, selection_problems
 from .backends.fairscale import OPTIONS as SHARDED_DDP_OPTIONS
 from .deepspeed_config import FLAG_RANGES, out_of_range
-from .errors import ArgumentsError, UserError, closest, debugging
+from .checkpoint import CheckpointNotFoundError
+from .errors import ArgumentsError, UserError, closest, debugging, main_process
 from .runtime import prepare_cpu_ranks, quiet_deepspeed_on_cpu_machines
 from .sagemaker import parse_list
 from .sagemaker import prepare_arguments as prepare_sagemaker
@@ -209,9 +210,11 @@ class ExtTrainingArguments(TrainingArguments):
     def check_paths(self) -> None:
         """What can be checked before the model is loaded (seconds to minutes on a big model): an explicit checkpoint
         exists, and the remote checkpoint location takes a write (main process: one probe object, then deleted)."""
+        from .checkpoint import PATH, resume_request
+
         resume = self.resume_from_checkpoint
-        if isinstance(resume, str) and resume not in ("auto", "True", "true") and not os.path.isdir(resume):
-            raise ArgumentsError(f"--resume_from_checkpoint {resume}: no such folder (give a checkpoint-N folder, or "
+        if isinstance(resume, str) and resume_request(resume) == PATH and not os.path.isdir(resume):
+            raise CheckpointNotFoundError(f"--resume_from_checkpoint {resume}: no such folder (give a checkpoint-N folder, or "
                                  "auto for the newest complete one in --output_dir)")
         self.checkpoint_uri_checked = False
         if self.checkpoint_uri and os.environ.get("RANK", "0") in ("", "0"):
@@ -232,8 +235,9 @@ class ExtArgumentParser(HfArgumentParser):
         super().__init__(dataclass_types, **kwargs)
 
     def error(self, message):
-        # argparse would print a usage line of ~150 flags first; the message is what the user needs.
-        self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help for all flags)\n")
+        # argparse would print a usage line of ~150 flags first; the message is what the user needs, once on N ranks.
+        self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help for all flags)\n" if main_process()
+                  else None)
 
     def check_unknown(self, argv) -> None:
         messages = self.unrecognized(argv)

@@ -1,7 +1,7 @@
-"""Checkpoint safety: a checkpoint is written to a staging folder and renamed into place with a marker file
-only when complete; the marker records every file's size and checksum, so resume picks the newest checkpoint that is
-complete and still intact (a disk or sync fault can damage a file after the save finished); rotation never deletes
-the only valid one."""
+"""What a checkpoint folder is: written to a staging folder and renamed into place with a marker file only when
+complete; the marker records every file's size and checksum and the process that wrote it, so resume picks the newest
+checkpoint that is complete and still intact (a disk or sync fault can damage a file after the save finished);
+rotation never deletes the only valid one. Which checkpoint a run resumes is run_checkpoints.py's."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import logging
 import os
 import re
 import shutil
+import socket
 import time
+import uuid
 from pathlib import Path
 
-from .errors import UserError
-from .sagemaker import checkpoints_to_keep
+from .errors import UserError, UserFileNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +26,20 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 CHECKSUM = "xxh3_64"  # ~10 GB/s in memory: a checkpoint is hashed at the speed it is read
 
 
+# This process, as the markers it writes name it: a run resumes automatically only from checkpoints an earlier
+# process wrote (a restart), never from those a train() earlier in this same process wrote.
+WRITER = {"host": socket.gethostname(), "pid": os.getpid(), "process": uuid.uuid4().hex}
+# Weight files a user may re-save in another layout (one file <-> shards + index) without damaging the checkpoint.
+_WEIGHTS = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)$|^(model\.safetensors|pytorch_model\.bin)"
+                      r"\.index\.json$")
+
+
 class CheckpointError(UserError):
-    """A checkpoint the user asked for cannot be resumed: missing, damaged, or written by another model."""
+    """A checkpoint the user asked for cannot be resumed: damaged, or written by another model."""
+
+
+class CheckpointNotFoundError(CheckpointError, UserFileNotFoundError):
+    """The checkpoint the user named is not there, or resuming was asked for and there is none."""
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -53,8 +66,12 @@ def inventory(folder: Path) -> dict:
 
 def damaged_file(folder: Path, files: dict, checksums: bool = True) -> str | None:
     """The first file that differs from what was written (missing, another size, or with `checksums`, other bytes),
-    said in a phrase; None when all match. Sizes first: they cost a stat each."""
+    said in a phrase; None when all match. Sizes first: they cost a stat each. Weight files re-saved in another
+    complete layout (see relaid_weights) are not missing."""
     folder = Path(folder)
+    if relaid_weights(folder, files):
+        files = {relative: entry for relative, entry in files.items()
+                 if not (_WEIGHTS.match(relative) and not (folder / relative).is_file())}
     for relative, (size, _) in files.items():
         path = folder / relative
         if not path.is_file():
@@ -65,6 +82,36 @@ def damaged_file(folder: Path, files: dict, checksums: bool = True) -> str | Non
         for relative, (_, digest) in files.items():
             if file_digest(folder / relative) != digest:
                 return f"{relative} does not match the checksum recorded when it was written (damaged)"
+    return None
+
+
+def relaid_weights(folder: Path, files: dict) -> str | None:
+    """When weight files the marker lists are gone but the folder holds the weights whole in another layout (one file
+    re-saved as shards + index by save_pretrained(max_shard_size=...), or shards merged into one file): what it holds
+    now, for a note; None otherwise. A deliberate re-save, not a fault: faults do not write a complete index."""
+    folder = Path(folder)
+    gone = [relative for relative in files if _WEIGHTS.match(relative) and not (folder / relative).is_file()]
+    if not gone:
+        return None
+    layout = loadable_weights(folder)
+    return f"{layout} instead of {', '.join(sorted(gone))}" if layout else None
+
+
+def loadable_weights(folder: Path) -> str | None:
+    """The complete set of Hugging Face weight files in `folder`, said in a phrase; None when there is none."""
+    folder = Path(folder)
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                return None
+            return f"{index_name} and its {len(shards)} shard(s)" if all((folder / s).is_file() for s in shards) \
+                else None
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / name).is_file():
+            return name
     return None
 
 
@@ -110,20 +157,31 @@ def valid_checkpoints(output_dir) -> list[Path]:
     return [path for _, path in found if problem_with(path) is None]
 
 
-def newest_valid_checkpoint(output_dir, checksums: bool = False) -> Path | None:
+def newest_valid_checkpoint(output_dir, checksums: bool = False, earlier_processes: bool = False) -> Path | None:
     """The newest complete (and, with `checksums`, intact) checkpoint; damaged newer ones are skipped with a warning
-    naming the file."""
+    naming the file. With `earlier_processes`, only those another (earlier) process wrote."""
     root = Path(output_dir)
     if not root.is_dir():
         return None
     candidates = sorted(((checkpoint_step(p), p) for p in root.iterdir()
                          if p.is_dir() and checkpoint_step(p) is not None), reverse=True)
     for _, path in candidates:
+        if earlier_processes and written_by_this_process(path):
+            continue
         problem = problem_with(path, checksums)
         if problem is None:
             return path
         logger.warning("skipping checkpoint %s: %s", path, problem)
     return None
+
+
+def written_by_this_process(checkpoint) -> bool:
+    """Whether this process wrote the checkpoint (a train() before this one, in the same script or notebook)."""
+    try:
+        marker = json.loads((Path(checkpoint) / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("writer", {}).get("process") == WRITER["process"]
 
 
 def read_data_state(checkpoint) -> dict | None:
@@ -139,7 +197,7 @@ def staging_dir(output_dir) -> Path:
 def publish(staged: Path, output_dir, info: dict) -> Path:
     """Mark a fully written checkpoint complete and move it into output_dir in one rename."""
     staged, final = Path(staged), Path(output_dir) / Path(staged).name
-    record = {**info, "saved_at": time.time(), "checksum": CHECKSUM, "files": inventory(staged)}
+    record = {"writer": WRITER, **info, "saved_at": time.time(), "checksum": CHECKSUM, "files": inventory(staged)}
     (staged / MARKER).write_text(json.dumps(record, indent=2) + "\n")
     if final.exists():  # the same step saved again (e.g. after a resume): replace it, never merge into it
         old = final.with_name(f"{final.name}.replaced-{os.getpid()}")
@@ -165,6 +223,23 @@ def rotate(output_dir, limit: int | None, keep: Path | None = None) -> list[Path
     return deleted
 
 
+FRESH, AUTO, NEWEST, PATH = "fresh", "auto", "newest", "path"
+
+
+def resume_request(requested) -> str:
+    """How `train(resume_from_checkpoint=...)` (or --resume_from_checkpoint) reads:
+    FRESH   False (or "false"): start from scratch, as the stock Trainer does by default;
+    AUTO    None or "auto": the newest intact checkpoint an earlier process wrote (a restarted command), else scratch;
+    NEWEST  True (or "true"): the newest intact checkpoint in output_dir; an error when there is none (as stock);
+    PATH    a checkpoint folder."""
+    if requested is None:
+        return AUTO
+    if isinstance(requested, bool):
+        return NEWEST if requested else FRESH
+    text = str(requested).strip()
+    return {"auto": AUTO, "true": NEWEST, "false": FRESH}.get(text.lower(), PATH) if text else AUTO
+
+
 def model_fingerprint(model) -> dict:
     """What a checkpoint must match to be resumed by this model."""
     config = getattr(model, "config", None)
@@ -177,9 +252,9 @@ def model_fingerprint(model) -> dict:
 
 
 def check_compatible(checkpoint, fingerprint: dict) -> None:
-    """Refuse, before training, a checkpoint written by a different model."""
+    """Refuse, before training, a checkpoint written by a different model (no fingerprint: nothing to compare)."""
     marker = Path(checkpoint) / MARKER
-    if not marker.is_file():
+    if fingerprint is None or not marker.is_file():
         return
     saved = json.loads(marker.read_text()).get("model", {})
     differences = [f"{key}: checkpoint {saved[key]!r}, this run {value!r}" for key, value in fingerprint.items()
@@ -188,140 +263,3 @@ def check_compatible(checkpoint, fingerprint: dict) -> None:
         raise CheckpointError(f"checkpoint {checkpoint} was written by a different model ({'; '.join(differences)}): "
                          "resume with the model that wrote it, or pass --fresh_start (or another --output_dir) "
                          "to start over; nothing was overwritten")
-
-
-# -- one run's checkpoints, as ExtTrainer uses them --------------------------------------------------------------------
-
-def checkpoint_folder(args) -> str:
-    """Where a run writes and resumes its checkpoints: --checkpoint_dir (set for a SageMaker job), else output_dir."""
-    return getattr(args, "checkpoint_dir", None) or args.output_dir
-
-
-def means_newest(requested) -> bool:
-    """None, "auto", True, or the command line's "true"/"True": the newest intact checkpoint in output_dir, if any."""
-    return requested is None or requested is True or (isinstance(requested, str) and requested in
-                                                       ("auto", "true", "True"))
-
-
-class RunCheckpoints:
-    """Which checkpoint a run resumes (the newest intact one, local or from --checkpoint_uri), whether the run is
-    already complete, and each new checkpoint written aside, published complete with its marker, rotated and copied to
-    the remote. Every rank takes the same decision: the main process reads the files once and shares its answer."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.args = trainer.args
-        self.remote = None  # --checkpoint_uri
-        self.staging = None  # set while a checkpoint is being written
-
-    # -- before training -------------------------------------------------------------------------------------------
-    def open_remote(self) -> None:
-        """--checkpoint_uri, checked (write, list, read) by the process that saves, before anything trains (unless
-        ExtTrainingArguments checked it already, before the model was loaded)."""
-        uri = getattr(self.args, "checkpoint_uri", None)
-        if not uri:
-            return
-        from .remote import RemoteCheckpoints
-
-        self.remote = RemoteCheckpoints(uri, getattr(self.args, "checkpoint_storage_options", None))
-        if self.args.should_save and not getattr(self.args, "checkpoint_uri_checked", False):
-            self.remote.check()
-
-    def to_resume(self, requested, fingerprint) -> str | None:
-        """The checkpoint `train(resume_from_checkpoint=requested)` continues from; None: from scratch."""
-        trainer = self.trainer
-        if means_newest(requested):
-            if requested is None and getattr(self.args, "fresh_start", False):
-                return None
-            found = self.newest_intact()
-            if found is None and self.remote is not None:
-                if self.args.should_save:
-                    self.remote.download_newest(checkpoint_folder(self.args))
-                trainer.accelerator.wait_for_everyone()
-                found = self.newest_intact()
-            if trainer.is_world_process_zero() and not found:
-                logger.info("no complete checkpoint in %s: starting from scratch", checkpoint_folder(self.args))
-            checkpoint = str(found) if found else None
-        else:
-            checkpoint = str(requested)
-            if not Path(checkpoint).is_dir():
-                raise CheckpointError(f"--resume_from_checkpoint {checkpoint}: no such folder (give a checkpoint-N "
-                                      "folder, or auto for the newest complete one in --output_dir)")
-            damaged = self.decided_by_main_process(lambda: damage(Path(checkpoint)))
-            if damaged:
-                raise CheckpointError(f"--resume_from_checkpoint {checkpoint}: {damaged}; resume from another "
-                                      "checkpoint, or pass --resume_from_checkpoint auto to take the newest intact one")
-            problem = problem_with(Path(checkpoint))
-            if problem:
-                logger.warning("resuming from %s although %s", checkpoint, problem)
-        if checkpoint:
-            check_compatible(checkpoint, fingerprint)
-        return checkpoint
-
-    def newest_intact(self) -> Path | None:
-        """The newest complete checkpoint whose files are all as written (sizes and checksums)."""
-        return self.decided_by_main_process(lambda: newest_valid_checkpoint(checkpoint_folder(self.args),
-                                                                            checksums=True))
-
-    def decided_by_main_process(self, decide):
-        """`decide()` run once, by the main process (reading a checkpoint's files once, not once per rank), and its
-        answer shared: every rank must resume from the same checkpoint."""
-        answer = decide() if self.args.process_index == 0 else None
-        if self.args.world_size > 1:
-            from accelerate.utils import broadcast_object_list
-
-            answer = broadcast_object_list([answer], from_process=0)[0]
-        return answer
-
-    def already_complete(self, checkpoint, max_steps: int):
-        """A re-run of a finished command (a scheduler or spot restart) finds its last checkpoint at the run's final
-        step: the trainer's state and finished weights are loaded for evaluation/prediction, and the TrainOutput to
-        return is given; None when there is training left. (transformers would train one step more, rotate an older
-        checkpoint away and overwrite the metrics.)"""
-        from transformers import TrainerState
-        from transformers.trainer import TRAINER_STATE_NAME
-        from transformers.trainer_utils import TrainOutput
-
-        if not checkpoint:
-            return None
-        state = TrainerState.load_from_json(str(Path(checkpoint) / TRAINER_STATE_NAME))
-        if state.global_step < max_steps:
-            return None
-        trainer = self.trainer
-        trainer.backend.load_weights(trainer, checkpoint)  # for evaluation/prediction after the re-run
-        # The saved state says rank 0's is_world_process_zero: on every rank, its callbacks would print and report.
-        state.is_local_process_zero, state.is_world_process_zero = (trainer.is_local_process_zero(),
-                                                                    trainer.is_world_process_zero())
-        trainer.state = state
-        final = Path(self.args.output_dir)
-        where = final if any(final.glob("model*.safetensors")) or any(final.glob("pytorch_model*.bin")) else checkpoint
-        if trainer.is_world_process_zero():
-            print(f"trainer_ext: training already complete at step {state.global_step} ({checkpoint}): nothing to "
-                  f"train; the model is in {where}", flush=True)
-        losses = [row["train_loss"] for row in state.log_history if "train_loss" in row]
-        return TrainOutput(state.global_step, losses[-1] if losses else float("nan"), {"already_complete": True})
-
-    # -- while training --------------------------------------------------------------------------------------------
-    def publish_staged(self, staged: Path, run_dir: Path, data_state: dict | None, info: dict) -> None:
-        """The main process's part once every rank wrote into `staged`: the training order's position, the marker
-        (published last, by rename), the best checkpoint's new path, rotation, and the remote copy."""
-        state = self.trainer.state
-        name = f"checkpoint-{state.global_step}"
-        if data_state is not None:
-            (staged / name / DATA_STATE).write_text(json.dumps(data_state, indent=2) + "\n")
-        final = publish(staged / name, run_dir, info)
-        best = state.best_model_checkpoint
-        if best and Path(best).parent == staged:
-            state.best_model_checkpoint = str(final)
-        deleted = rotate(run_dir, checkpoints_to_keep(self.args.save_total_limit),
-                         keep=Path(state.best_model_checkpoint) if state.best_model_checkpoint else None)
-        if self.remote is not None:  # in the background: the next step does not wait for the copy
-            self.remote.upload(final)
-            self.remote.delete([path.name for path in deleted])
-        if staged.is_dir() and not any(staged.iterdir()):
-            staged.rmdir()
-
-    def wait(self) -> None:
-        """Uploads still running finish (at the end, and on preemption)."""
-        if self.remote is not None:
-            self.remote.wait()

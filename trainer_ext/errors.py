@@ -1,16 +1,18 @@
-"""Mistakes in a user's input or environment end a run with one clear message and exit status 2, never a traceback;
-internal bugs keep theirs. TRAINER_EXT_DEBUG=1 shows the traceback of a user error too (`--debug` is transformers'
-own flag). Pure: no torch."""
+"""Mistakes in a user's input or environment are exceptions a script or notebook can catch (`UserError`, a
+ValueError; the not-found kinds are FileNotFoundErrors too); uncaught, they end the process with their one-line message
+and exit status 2 instead of a traceback, printed once on N ranks. Internal bugs keep their tracebacks.
+TRAINER_EXT_DEBUG=1 shows the traceback of a user error too (`--debug` is transformers' own flag). Pure: no torch."""
 
 from __future__ import annotations
 
 import difflib
-import functools
 import os
 import sys
+import time
 from contextlib import contextmanager
 
 DEBUG_ENV = "TRAINER_EXT_DEBUG"
+QUIET_RANKS_WAIT_S = 3.0  # ample for the main process to print one line, even on a loaded machine
 
 
 class UserError(ValueError):
@@ -19,6 +21,10 @@ class UserError(ValueError):
 
 class ArgumentsError(UserError):
     """Flags that cannot work together, or a value a flag cannot take; raised before any training starts."""
+
+
+class UserFileNotFoundError(UserError, FileNotFoundError):
+    """A file or folder the user named (or asked us to find) is not there: `except FileNotFoundError` catches it too."""
 
 
 def closest(word, choices, cutoff: float = 0.6) -> str | None:
@@ -37,15 +43,20 @@ def main_process() -> bool:
 
 
 def report(err: BaseException, prog: str | None = None) -> None:
+    """The error's one line, by the main process only; the other ranks, which meet the same error, wait a moment
+    before exiting, so the launcher does not stop the main process (seeing a rank fail) before it said why."""
     if main_process():
         prog = prog or os.path.basename(sys.argv[0] or "trainer_ext")
         print(f"{prog}: error: {err}\n(nothing was trained or overwritten; {DEBUG_ENV}=1 shows where it was "
               "raised)", file=sys.stderr, flush=True)
+    else:
+        time.sleep(QUIET_RANKS_WAIT_S)
 
 
 @contextmanager
 def user_errors(prog: str | None = None):
-    """Turn a UserError raised inside into its message and exit status 2."""
+    """The process boundary of our own commands (trainer-ext, the examples): a UserError raised inside becomes its
+    message and exit status 2."""
     try:
         yield
     except UserError as err:
@@ -55,10 +66,32 @@ def user_errors(prog: str | None = None):
         raise SystemExit(2) from None
 
 
-def exits_on_user_error(function):
-    """The same, for a function or method: ExtTrainer's constructor and train(), so that a user's own script gets it."""
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        with user_errors():
-            return function(*args, **kwargs)
-    return wrapper
+def install_excepthook() -> None:
+    """The same boundary for a user's own script: a UserError nobody caught prints its one line and exits with status
+    2 (after the exit handlers ran: the process group is released as at a normal exit). Other exceptions, and every
+    exception in an interactive session (IPython shows its own), go to the hook that was there before. Idempotent."""
+    previous = sys.excepthook
+    if getattr(previous, "trainer_ext", False):
+        return
+
+    def hook(kind, error, traceback):
+        if not issubclass(kind, UserError) or debugging() or hasattr(sys, "ps1"):
+            return previous(kind, error, traceback)
+        report(error)
+        _exit(2)
+
+    hook.trainer_ext = True
+    sys.excepthook = hook
+
+
+def _exit(status: int) -> None:
+    """Exit with `status` from inside sys.excepthook, where the interpreter would otherwise choose 1."""
+    import atexit
+
+    atexit._run_exitfuncs()  # noqa: SLF001 (the handlers an ordinary exit runs; os._exit below skips them)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)

@@ -218,10 +218,12 @@ def with_paths(values: dict, folder: Path | None) -> dict:
 
 
 def _is_path(key: str, value: str) -> bool:
-    """Not inline JSON, an fsspec URL, or resume_from_checkpoint's `auto`."""
+    """Not inline JSON, an fsspec URL, or resume_from_checkpoint's auto / true / false."""
     if key not in PATH_FIELDS + NAME_OR_PATH_FIELDS or not value or value.lstrip().startswith("{") or "://" in value:
         return False
-    return not (key == "resume_from_checkpoint" and value in ("auto", "true", "True"))
+    from .checkpoint import PATH, resume_request
+
+    return not (key == "resume_from_checkpoint" and resume_request(value) != PATH)
 
 
 def _flags(classes, argv: Sequence[str], problems: list[str]) -> dict:

@@ -1,25 +1,30 @@
-"""ExtTrainer: the transformers Trainer with true losses on N ranks, one global batch order for every backend,
-custom losses without subclassing, and the backend chosen once at construction."""
+"""ExtTrainer: the transformers Trainer with true losses on N ranks, one global batch order for every backend (also
+for streaming datasets), custom losses without subclassing, checkpoints published complete and resumed automatically
+after a restart, and the backend chosen once at construction. Everything here rides on the Trainer's public hooks; the
+four private methods it must override live in private_hooks.py."""
 
 from __future__ import annotations
 
+import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from . import progress
 from .backends import select_backend
-from .checkpoint import (RunCheckpoints, checkpoint_folder, means_newest, model_fingerprint, newest_valid_checkpoint,
-                         read_data_state, staging_dir)
-from .data.loader import dataloader_with_batch_sampler
+from .checkpoint import AUTO, model_fingerprint, newest_valid_checkpoint, read_data_state, resume_request
+from .data.loader import dataloader_with_batch_sampler, stream_dataloader
 from .data.samplers import ResumableBatchSampler
-from .errors import UserError, exits_on_user_error
+from .data.stream import TrainingStream, is_stream
+from .errors import UserError, install_excepthook
 from .preemption import Preempted, PreemptionCallback
+from .private_hooks import PrivateTrainerHooks
+from .run_checkpoints import RunCheckpoints
+from .run_checkpoints import checkpoint_folder
 from .runtime import (check_process_group, quiet_deepspeed_on_cpu_machines, release_at_exit,
                       share_cores_between_cpu_ranks)
 from .sagemaker import prepare_arguments as prepare_sagemaker
@@ -31,18 +36,21 @@ logger = logging.getLogger(__name__)
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 
 
-class ExtTrainer(Trainer):
+class ExtTrainer(PrivateTrainerHooks, Trainer):
     """`Trainer` plus:
 
     - `loss_fn(outputs, labels) -> loss`: replaces the model's loss (no subclass needed);
     - `class_weights` (or `--class_weights 1.0,3.0`) and `--label_smoothing_factor` for classification;
     - `optimizer_settings` / `scheduler_settings`: the optimizer and schedule, from flags by default.
+
+    A mistake in what it is given raises a `trainer_ext.errors.UserError` (a ValueError; FileNotFoundError too for a
+    missing checkpoint); uncaught, it ends the script with its one line and exit status 2.
     """
 
-    @exits_on_user_error
     def __init__(self, model=None, args=None, *positional, loss_fn: LossFn | None = None,
                  class_weights=None, optimizer_settings: OptimizerSettings | None = None,
                  scheduler_settings: SchedulerSettings | None = None, **kwargs):
+        install_excepthook()
         quiet_deepspeed_on_cpu_machines()  # plain TrainingArguments did not
         if args is not None:
             prepare_sagemaker(args)  # plain TrainingArguments in a SageMaker job: model, checkpoints, logs placed
@@ -61,9 +69,16 @@ class ExtTrainer(Trainer):
         self.optimizer_settings = optimizer_settings or OptimizerSettings.from_args(self.args)
         self.scheduler_settings = scheduler_settings or SchedulerSettings.from_args(self.args)
         self._model_uses_num_items = None  # decided on the first labelled batch
-        self._train_batch_sampler = None  # the training order; its position is saved with every checkpoint
-        self._resume_data_state = None  # that position, read from the checkpoint being resumed
+        self._train_order = None  # the training order (batch sampler or stream); its position goes in every checkpoint
+        self._resume = None  # {"step", "state"}: where the checkpoint being resumed stopped, and that position
+        self._learning_rate_in_use = None  # the rate of the step being trained, where the backend knows it better
+        self._evaluation_model = None  # the backend's engine for an evaluation (see evaluation_loop)
         self.checkpoints = RunCheckpoints(self)  # resume, publish, rotate, --checkpoint_uri
+        # First: its on_save publishes the checkpoint that every later on_save expects in place.
+        self.callback_handler.callbacks.insert(0, self.checkpoints)
+        self.add_callback(TrainingHooks(self))
+        for callback in self.backend.callbacks(self):
+            self.add_callback(callback)
         self.training_already_complete = None  # the checkpoint a re-run found complete (train() then trains nothing)
         self.preemption = PreemptionCallback()
         self.add_callback(self.preemption)
@@ -156,6 +171,12 @@ class ExtTrainer(Trainer):
                                                      ("eps", settings.eps)) if key in kwargs or key == "lr"})
         self.optimizer = (self.backend.build_optimizer(self, groups, optimizer_cls, kwargs)
                           or optimizer_cls(groups, **kwargs))
+        if not self.backend.wraps_before_optimizer():
+            # A backend whose wrapper needs the optimizer (FairScale's ShardedDataParallel): transformers then finds
+            # the model wrapped and prepares only the optimizer; None lets accelerate wrap it (DDP).
+            wrapped = self.backend.wrap_model(self, model)
+            if wrapped is not None:
+                self.model_wrapped = wrapped
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -172,56 +193,54 @@ class ExtTrainer(Trainer):
 
     # -- data ------------------------------------------------------------------------------------------
     def get_train_dataloader(self):
-        """One seeded stream of samples, cut into the same global batches on every backend and world size, and
-        continued after a resume at the sample where the checkpoint stopped (see data/samplers.py)."""
+        """One seeded order of samples, cut into the same global batches on every backend and world size, and
+        continued after a resume at the sample where the checkpoint stopped: a batch sampler over a dataset with a
+        length (data/samplers.py), a rank's share of the stream over an iterable one (data/stream.py)."""
         if self.train_dataset is None:
             raise UserError("ExtTrainer: training requires a train_dataset")
         args = self.args
-        batch_sampler = ResumableBatchSampler(
-            len(self.train_dataset), self._train_batch_size, rank=args.process_index, world_size=args.world_size,
-            seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
-            gradient_accumulation_steps=args.gradient_accumulation_steps)
-        if self._resume_data_state is not None:
-            for warning in batch_sampler.load_state_dict(self._resume_data_state):
+        shape = dict(rank=args.process_index, world_size=args.world_size,
+                     gradient_accumulation_steps=args.gradient_accumulation_steps)
+        resume = self._resume
+        if is_stream(self.train_dataset):
+            if args.max_steps <= 0:
+                raise UserError(f"the training set ({type(self.train_dataset).__name__}) is a stream with no length, so "
+                                "an epoch has no end: give --max_steps (the optimizer steps to train)")
+            order = TrainingStream(self.train_dataset, self._train_batch_size, **shape)
+            if resume is not None:
+                how = order.resume(resume["step"], resume["state"], skipped_by_trainer=not args.ignore_data_skip)
                 if self.is_world_process_zero():
-                    logger.warning("resuming: %s", warning)
-        self._train_batch_sampler = batch_sampler
-        return dataloader_with_batch_sampler(self, self.train_dataset, "training", batch_sampler)
+                    logger.warning("resuming: %s", how)
+            dataloader = stream_dataloader(self, order)
+        else:
+            order = ResumableBatchSampler(
+                len(self.train_dataset), self._train_batch_size, seed=args.data_seed if args.data_seed is not None
+                else args.seed, drop_last=args.dataloader_drop_last, **shape)
+            if resume is not None and resume["state"] is not None:
+                for warning in order.load_state_dict(resume["state"]):
+                    if self.is_world_process_zero():
+                        logger.warning("resuming: %s", warning)
+            dataloader = dataloader_with_batch_sampler(self, self.train_dataset, "training", order)
+        self._train_order = order
+        return dataloader
 
-    def _init_training_state(self, *args, **kwargs):
-        epochs_trained, steps_trained_in_current_epoch = super()._init_training_state(*args, **kwargs)
-        # The Trainer skips the resumed epoch's first batches through a wrapper that hides set_epoch from us.
-        if self._train_batch_sampler is not None:
-            self._train_batch_sampler.set_epoch(epochs_trained)
-        return epochs_trained, steps_trained_in_current_epoch
-
-    def _get_eval_sampler(self, eval_dataset):
-        # Dataset order: accelerate shards it in whole batches and gather_for_metrics drops the padding.
-        return torch.utils.data.SequentialSampler(eval_dataset)
+    def training_order_state(self) -> dict | None:
+        """Where the training order stands after the current step (saved with each checkpoint)."""
+        return self._train_order.state_dict(self.state.global_step) if self._train_order is not None else None
 
     # -- backend hooks ---------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._learning_rate_in_use = self.backend.learning_rate_in_use(self)
         return super().training_step(model, inputs, num_items_in_batch)
 
-    def _wrap_model(self, model, training=True, dataloader=None):
-        if not training and getattr(self, "_evaluation_engine", None) is not None:
-            return self._evaluation_engine
-        if training:
-            wrapped = self.backend.wrap_model(self, model)
-            if wrapped is not None:
-                return wrapped
-        return super()._wrap_model(model, training, dataloader)
-
-    def _clip_grad_norm(self, model):
-        norm = self.backend.clip_grad_norm(self, model, self.args.max_grad_norm)
-        return norm if norm is not None else super()._clip_grad_norm(model)
-
-    def _save_optimizer_and_scheduler(self, output_dir):
-        self.backend.before_optimizer_save(self)
-        super()._save_optimizer_and_scheduler(output_dir)
+    def log(self, logs, start_time=None):
+        if self._learning_rate_in_use is not None and "learning_rate" in logs:
+            logs["learning_rate"] = self._learning_rate_in_use  # transformers reads it after the engine stepped
+        return super().log(logs, start_time)
 
     def save_model(self, output_dir=None, _internal_call=False):
+        if _internal_call:  # a checkpoint (every rank): what the backend gathers first, e.g. FairScale's optimizer
+            self.backend.before_checkpoint_save(self)
         state_dict = self.backend.full_state_dict(self)
         if state_dict is None:
             return super().save_model(output_dir, _internal_call)
@@ -229,49 +248,25 @@ class ExtTrainer(Trainer):
             self._save(output_dir or self.args.output_dir, state_dict=state_dict)
 
     def evaluation_loop(self, *args, **kwargs):
-        engine = self.backend.evaluation_engine(self)
-        if engine is not None:  # transformers then builds no engine of its own and prepares nothing (_wrap_model)
-            self.deepspeed = self.model_wrapped = self._evaluation_engine = engine
+        with self.backend.evaluating(self) as engine:  # e.g. ZeRO-3 before training: an engine of the backend's own
+            self._evaluation_model = engine
             try:
                 return super().evaluation_loop(*args, **kwargs)
             finally:
-                self.deepspeed, self.model_wrapped, self._evaluation_engine = None, self.model, None
-        if not (self.is_deepspeed_enabled and self.backend.evaluates_plain_model(self)):
-            return super().evaluation_loop(*args, **kwargs)
-        self.is_deepspeed_enabled = False  # evaluate the replicated model as plain data parallelism does
-        try:
-            return super().evaluation_loop(*args, **kwargs)
-        finally:
-            self.is_deepspeed_enabled = True
+                self._evaluation_model = None
 
-    def _get_learning_rate(self):
-        recorded = getattr(self, "_learning_rate_in_use", None)
-        return recorded if recorded is not None else super()._get_learning_rate()
-
-    def _finalize_training(self, trial, num_train_samples, start_time):
-        # transformers adds the loss accumulated since the last log as this rank's own, so the final train_loss
-        # depended on --logging_steps and on rank 0's batches; the mean over ranks is what a single process logs.
-        # (A private method: the only place the remainder is added; tests/test_train_loss.py catches a rename.)
-        from transformers.trainer_pt_utils import nested_gather
-
-        if self.args.world_size > 1:
-            self._tr_loss = nested_gather(self._tr_loss, self.args.parallel_mode).mean()
-        return super()._finalize_training(trial, num_train_samples, start_time)
-
-    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        self.backend.before_prepare(self, max_steps, resume_from_checkpoint)
-        prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
-        self.backend.after_prepare(self)
-        return prepared
-
-    @exits_on_user_error
     def train(self, resume_from_checkpoint=None, **kwargs):
-        """Resumes by default: with no `resume_from_checkpoint` (or "auto"/True) the newest complete checkpoint
-        in output_dir is used, unless --fresh_start. A SIGTERM/SIGINT ends the run after a checkpoint, with
-        `Preempted` (exit status 128 + signal); running the same command again continues exactly."""
+        """Resumes a restarted command by default: with no `resume_from_checkpoint` (or "auto") the newest complete
+        checkpoint in output_dir that an earlier process wrote is used, unless --fresh_start; True the newest (an
+        error when there is none), False none, a path that one. A SIGTERM/SIGINT ends the run after a checkpoint,
+        with `Preempted` (exit status 128 + signal); running the same command again continues exactly."""
+        self.training_already_complete, self._resume, self._learning_rate_in_use = None, None, None
         self.checkpoints.open_remote()
-        module = self.backend.unwrap(self.accelerator.unwrap_model(self.model))
-        checkpoint = self.checkpoints.to_resume(resume_from_checkpoint, model_fingerprint(module))
+        self.checkpoints.clear_staging()
+        # No model yet: model_init builds it inside train() (hyperparameter_search drops it between trials).
+        module = self.backend.unwrap(self.accelerator.unwrap_model(self.model)) if self.model is not None else None
+        checkpoint = self.checkpoints.to_resume(resume_from_checkpoint,
+                                                model_fingerprint(module) if module is not None else None)
         if checkpoint:
             # The run's total, counted as transformers counts it for these flags and this data (epochs or max_steps).
             max_steps = self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
@@ -281,9 +276,10 @@ class ExtTrainer(Trainer):
                 return finished
             if self.is_world_process_zero():
                 logger.warning("resuming from %s%s", checkpoint, " (pass --fresh_start to start over)"
-                               if means_newest(resume_from_checkpoint) else "")
-        self._resume_data_state = (read_data_state(checkpoint) if checkpoint and not self.args.ignore_data_skip
-                                   else None)
+                               if resume_request(resume_from_checkpoint) == AUTO else "")
+            state = read_data_state(checkpoint) if not self.args.ignore_data_skip else None
+            self._resume = {"step": resumed_step(checkpoint), "state": state}
+        self.backend.before_train(self, checkpoint)
         self.preemption.install()
         try:
             result = super().train(resume_from_checkpoint=checkpoint, **kwargs)
@@ -301,32 +297,28 @@ class ExtTrainer(Trainer):
             self.backend.save_settings(self.args.output_dir)
         return result
 
-    # -- checkpoints: written aside, published complete (checkpoint.py) ------------------------------------
-    def _get_output_dir(self, trial):
-        # The Trainer writes a checkpoint into this folder; ours is a staging folder until the save is complete.
-        staging = self.checkpoints.staging
-        return str(staging) if staging is not None else super()._get_output_dir(trial)
 
-    def _save_checkpoint(self, model, trial):
-        run_dir = Path(checkpoint_folder(self.args) if trial is None else super()._get_output_dir(trial))
-        self.checkpoints.staging = staging_dir(run_dir)
-        leftover = self.checkpoints.staging / f"checkpoint-{self.state.global_step}"
-        if self.args.should_save and leftover.exists():  # a save cut off earlier (or S3's copy of one, on SageMaker)
-            shutil.rmtree(leftover)
-        self.accelerator.wait_for_everyone()  # before any rank writes into it
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            staged, self.checkpoints.staging = self.checkpoints.staging, None
-        self.accelerator.wait_for_everyone()  # every rank has written its part
-        if self.args.should_save:
-            sampler = self._train_batch_sampler
-            module = self.backend.unwrap(self.accelerator.unwrap_model(self.model))
-            self.checkpoints.publish_staged(
-                staged, run_dir, sampler.state_dict(self.state.global_step) if sampler is not None else None,
-                {"step": self.state.global_step, "world_size": self.args.world_size,
-                 "backend": self.backend.describe(), "model": model_fingerprint(module)})
-        self.accelerator.wait_for_everyone()
+class TrainingHooks(TrainerCallback):
+    """What ExtTrainer adds at the Trainer's events: the training order's epoch where transformers cannot reach it,
+    and the backend's step once transformers has prepared the model and optimizer."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.backend.on_train_begin(self.trainer)  # wrapped, prepared, any checkpoint loaded
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        # transformers skips a resumed epoch's first batches through a wrapper that hides set_epoch from the sampler;
+        # an epoch begins at a multiple of its steps (or at the resumed step, inside the epoch it resumes).
+        order = self.trainer._train_order
+        if isinstance(order, ResumableBatchSampler):
+            order.set_epoch(state.global_step // order.steps_per_epoch)
+
+
+def resumed_step(checkpoint) -> int:
+    """The optimizer step a checkpoint was saved at (its trainer_state.json)."""
+    return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text()).get("global_step", 0))
 
 
 def _check_class_weights(weights, loss_fn, model) -> None:

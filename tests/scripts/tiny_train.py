@@ -4,7 +4,7 @@ only the repository. `--model_size tiny|small` picks the shape, `--head lm` a ma
 head (its decoder tied to the word embeddings) trained to repeat each token, `--report_dir` writes each rank's
 model-state bytes there (benchmarks/memory.py); every other flag is an ExtTrainingArguments flag.
 The final model, train_results.json (train_loss, ...) and trainer_state.json (per-step losses and gradient norms) go to
-output_dir; with --do_eval, eval_results.json (eval_loss on 64 held-out samples) too.
+output_dir.
 TINY_TRAIN_NONFINITE_STEPS="3" (or "3-": from step 3 on) makes the logits of those optimizer steps infinite, so their
 gradients hold inf/NaN: what a diverging run or a bad batch does to a real one."""
 
@@ -33,6 +33,7 @@ own.add_argument("--num_samples", type=int, default=512)
 own.add_argument("--seq_length", type=int, default=16)
 own.add_argument("--head", choices=("classification", "lm"), default="classification")
 own.add_argument("--report_dir")
+own.add_argument("--eval_samples", type=int, default=0, help="an evaluation set of this many other samples")
 mine, rest = own.parse_known_args()
 (args,) = ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses(rest)
 
@@ -44,9 +45,9 @@ generator = torch.Generator().manual_seed(1)
 ids = torch.randint(1, shape["vocab_size"], (mine.num_samples, mine.seq_length), generator=generator)
 labels = ids if mine.head == "lm" else (ids[:, 0] > shape["vocab_size"] // 2).long()  # a signal the model can learn
 train = [{"input_ids": ids[i], "labels": labels[i]} for i in range(len(ids))]
-held_out = torch.randint(1, shape["vocab_size"], (64, mine.seq_length), generator=generator)  # after train: unchanged
-held_out_labels = held_out if mine.head == "lm" else (held_out[:, 0] > shape["vocab_size"] // 2).long()
-evaluation = [{"input_ids": held_out[i], "labels": held_out_labels[i]} for i in range(len(held_out))]
+held_out = torch.randint(1, shape["vocab_size"], (mine.eval_samples, mine.seq_length), generator=generator)
+evaluation = [{"input_ids": row, "labels": row if mine.head == "lm" else (row[0] > shape["vocab_size"] // 2).long()}
+              for row in held_out] or None
 
 class NonFiniteSteps(TrainerCallback):
     """Turns the classifier's output to inf during the optimizer steps named by TINY_TRAIN_NONFINITE_STEPS."""
@@ -71,12 +72,13 @@ if mine.report_dir:
     from memory import ModelStateReport  # noqa: E402
 
     callbacks.append(ModelStateReport(mine.report_dir))
-trainer = ExtTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation if args.do_eval else None,
-                     callbacks=callbacks or None)
+trainer = ExtTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation, callbacks=callbacks or None)
 outcome = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
 trainer.save_model()
 trainer.save_state()  # trainer_state.json in output_dir: every logged loss and gradient norm
 if trainer.is_world_process_zero():  # as the task recipes do: train_loss and the other training metrics
     (Path(args.output_dir) / "train_results.json").write_text(json.dumps(outcome.metrics, indent=2))
-if args.do_eval:
-    trainer.save_metrics("eval", trainer.evaluate())  # eval_results.json in output_dir (main process)
+if evaluation is not None:  # every rank's final weights, evaluated together
+    metrics = trainer.evaluate()
+    if trainer.is_world_process_zero():
+        (Path(args.output_dir) / "eval_results.json").write_text(json.dumps(metrics, indent=2))

@@ -4,6 +4,8 @@ planner can read every backend's flag, checks and memory formulas on a machine w
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 
 class Backend:
     """The default (DDP through accelerate, or one process) needs none of the hooks; a backend overrides what it does
@@ -52,15 +54,21 @@ class Backend:
     def __init__(self, args=None):
         self.args = args
 
-    # -- a trainer's run -------------------------------------------------------------------------------------------
+    # -- a trainer's run (ExtTrainer calls these from the Trainer's public hooks) ------------------------------------
     def check(self, args) -> None:
         """Fail before any work if this backend cannot run with these arguments on this machine."""
 
-    def before_prepare(self, trainer, num_training_steps: int, resume_from_checkpoint=None) -> None:
-        """Called once the step count (and the checkpoint to resume, if any) is known, before wrapping."""
+    def callbacks(self, trainer) -> list:
+        """TrainerCallbacks this backend adds to the trainer when it is built."""
+        return []
 
-    def after_prepare(self, trainer) -> None:
-        """Called after wrapping, before the first step (and before a checkpoint is loaded)."""
+    def before_train(self, trainer, checkpoint) -> None:
+        """At the start of train(), once the checkpoint to resume (or None) is chosen, before transformers prepares
+        anything."""
+
+    def on_train_begin(self, trainer) -> None:
+        """After transformers wrapped and prepared the model and optimizer and loaded any checkpoint, before the first
+        step."""
 
     def build_optimizer(self, trainer, param_groups, optimizer_cls, kwargs):
         """The optimizer over these parameter groups; None: the plain `optimizer_cls`."""
@@ -71,7 +79,8 @@ class Backend:
         return False
 
     def wrap_model(self, trainer, model):
-        """The model wrapped for training; None: transformers/accelerate wrap it (DDP)."""
+        """The model wrapped for training (called once the optimizer exists, or before it with
+        wraps_before_optimizer); None: accelerate wraps it (DDP)."""
         return None
 
     def unwrap(self, model):
@@ -81,8 +90,8 @@ class Backend:
         """The pre-clip total norm after clipping; None: transformers clips."""
         return None
 
-    def before_optimizer_save(self, trainer) -> None:
-        """Called on every rank before rank 0 saves the optimizer state."""
+    def before_checkpoint_save(self, trainer) -> None:
+        """Called on every rank when a checkpoint is saved, before rank 0 writes the optimizer state."""
 
     def full_state_dict(self, trainer):
         """The whole model's weights when the model is sharded (collective); None otherwise."""
@@ -93,14 +102,11 @@ class Backend:
         loader by default, as a resume loads them."""
         trainer._load_from_checkpoint(str(checkpoint))
 
-    def evaluation_engine(self, trainer):
-        """The engine an evaluation before training runs through, when the model cannot be evaluated as it is
-        (ZeRO-3: partitioned parameters); None: transformers' own evaluation."""
-        return None
-
-    def evaluates_plain_model(self, trainer) -> bool:
-        """True: an evaluation before training may run the unwrapped model (no engine needed for it)."""
-        return False
+    @contextmanager
+    def evaluating(self, trainer):
+        """Around each evaluation loop: yields the model to evaluate through when transformers' own choice cannot run
+        it (ZeRO-3 before training: partitioned parameters need an engine), else None."""
+        yield None
 
     def learning_rate_in_use(self, trainer) -> float | None:
         """The rate the coming optimizer step will use, where transformers would read it too late."""

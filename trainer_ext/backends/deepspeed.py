@@ -4,6 +4,7 @@ and align its scheduler and overflow check with transformers'."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import subprocess
@@ -76,7 +77,8 @@ class DeepSpeedBackend(Backend):
         super().__init__(args)
         self.resolution = getattr(args, "deepspeed_resolution", None)  # phase 1, from ExtTrainingArguments
         self.overflow_check = None  # how a ZeRO step detects a non-finite gradient, once the engine exists
-        self._evaluation_engine = None  # ZeRO-3 before training: see evaluation_engine
+        self._evaluation_engine = None  # ZeRO-3 before training: see evaluating
+        self._load_universal = False  # resuming a checkpoint saved on another world size (see before_train)
 
     def check(self, args) -> None:
         import importlib.util
@@ -86,32 +88,43 @@ class DeepSpeedBackend(Backend):
         if self.resolution is None:
             self.resolution = resolve_stock_arguments(args)
 
-    def before_prepare(self, trainer, num_training_steps: int, resume_from_checkpoint=None) -> None:
+    def callbacks(self, trainer) -> list:
+        return [skipped_steps_callback(trainer)]
+
+    def before_train(self, trainer, checkpoint) -> None:
+        """Phase 2 of the translation runs where transformers runs its own: its config object's
+        trainer_config_finalize, which deepspeed_init calls once the model and the step count are known."""
         self.release_evaluation_engine()
+        keep_used_weight_conversions(trainer.accelerator.unwrap_model(trainer.model))
+        self._load_universal = bool(checkpoint) and self._reshard_if_world_size_changed(trainer, Path(checkpoint))
+        plugin = trainer.accelerator.state.deepspeed_plugin
+        if not isinstance(plugin.hf_ds_config, finished_by_backend()):
+            plugin.hf_ds_config = finished_by_backend()(plugin.hf_ds_config)
+        plugin.hf_ds_config.finish = lambda args, model, steps: self.finish(trainer, model, steps)
+
+    def finish(self, trainer, model, num_training_steps: int) -> dict:
+        """The complete config for this run: phase 1's, with the step count, world size and hidden size."""
         args = trainer.args
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        hidden_size = model_hidden_size(model)
-        keep_used_weight_conversions(model)
         self.resolution = finish_deepspeed_config(self.resolution, args, args.world_size, num_training_steps,
-                                                  hidden_size)
-        if resume_from_checkpoint:
-            self._reshard_if_world_size_changed(trainer, Path(resume_from_checkpoint))
-        # In place: accelerate's plugin holds the same dict. Phase 1 already made every field agree with the flags.
-        hf_config = trainer.accelerator.state.deepspeed_plugin.hf_ds_config
-        hf_config.config.clear()
-        hf_config.config.update(self.resolution.config)
+                                                  model_hidden_size(trainer.accelerator.unwrap_model(model)))
+        # Only for this load: with it on, a later ordinary resume would look for latest_universal.
+        if self._load_universal:
+            self.resolution.config.setdefault("checkpoint", {})["load_universal"] = True
+        elif "load_universal" in self.resolution.config.get("checkpoint", {}):
+            del self.resolution.config["checkpoint"]["load_universal"]
         if trainer.is_world_process_zero():
             notes = "".join(f"\n  note: {note}" for note in self.resolution.notes)
             logger.warning("DeepSpeed config (resolved for %d ranks, %d steps):\n%s%s", args.world_size,
                            num_training_steps, json.dumps(self.resolution.config, indent=2), notes)
+        return self.resolution.config
 
-    def _reshard_if_world_size_changed(self, trainer, checkpoint: Path) -> None:
+    def _reshard_if_world_size_changed(self, trainer, checkpoint: Path) -> bool:
         """DeepSpeed cannot load ZeRO optimizer shards saved by another number of ranks; its universal
-        checkpoint format can. Convert once (main process), load it for this run only."""
+        checkpoint format can. Convert once (main process); True when this run must load it."""
         saved = saved_world_size(checkpoint)
         world_size = trainer.args.world_size
         if saved is None or saved == world_size:
-            return
+            return False
         tag = (checkpoint / "latest").read_text().strip()
         universal = checkpoint / f"{tag}_universal"
         if trainer.is_world_process_zero() and not (checkpoint / "latest_universal").is_file():
@@ -123,30 +136,48 @@ class DeepSpeedBackend(Backend):
             if done.returncode != 0:
                 raise RuntimeError(f"converting {checkpoint} to a universal checkpoint failed:\n{done.stderr[-3000:]}")
         trainer.accelerator.wait_for_everyone()
-        # Only for this load: with load_universal on, a later ordinary resume would look for latest_universal.
-        self.resolution.config.setdefault("checkpoint", {})["load_universal"] = True
         self.resolution.notes.append(f"resuming a {saved}-rank ZeRO checkpoint on {world_size} ranks (universal)")
+        return True
 
-    def after_prepare(self, trainer) -> None:
+    def on_train_begin(self, trainer) -> None:
         from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupLR
 
         engine = trainer.model_wrapped
         scheduler = getattr(engine, "lr_scheduler", None)
         # DeepSpeed builds its scheduler at iteration -1 and applies that value to the first step; transformers'
-        # step k uses iteration k. One step here aligns them (a resumed checkpoint then overwrites the state).
+        # step k uses iteration k. One step here aligns them (a resumed checkpoint already set its own iteration).
         if isinstance(scheduler, (WarmupLR, WarmupCosineLR)) and scheduler.last_batch_iteration == -1:
             scheduler.step()
         self.overflow_check = check_overflow_by_norm(getattr(engine, "optimizer", None))
-        watch_skipped_steps(trainer)
+
+    @contextmanager
+    def evaluating(self, trainer):
+        """Before training (--evaluate_before_training, an evaluation-only run, a finished run's evaluation) no
+        engine exists yet. Below ZeRO-3 every rank holds all parameters: the plain model is evaluated as data
+        parallelism does (stock transformers insists on an engine and fails: "ZeRO inference only makes sense with
+        ZeRO Stage 3"). Under ZeRO-3 each rank holds a partition of every parameter: an engine of our own, without
+        optimizer or scheduler, gathers them layer by layer. transformers' inference engine cannot be used: it checks
+        a step count of 0 against the scheduler, and deletes the optimizer from the config that training then uses.
+        Kept for later evaluations; released before training builds its engine on the same model."""
+        if trainer.deepspeed is not None:  # the training engine: transformers evaluates through it
+            yield None
+            return
+        if zero_stage(self.resolution) == 3:
+            engine = self.evaluation_engine(trainer)
+            trainer.deepspeed = trainer.model_wrapped = engine  # transformers builds and prepares nothing then
+            try:
+                yield engine
+            finally:
+                trainer.deepspeed, trainer.model_wrapped = None, trainer.model
+            return
+        trainer.is_deepspeed_enabled = False
+        try:
+            yield None
+        finally:
+            trainer.is_deepspeed_enabled = True
 
     def evaluation_engine(self, trainer):
-        """Under ZeRO-3 before training (--evaluate_before_training, an evaluation-only run, a finished run's
-        evaluation) each rank holds a partition of every parameter: an engine of our own, without optimizer or
-        scheduler, gathers them layer by layer. transformers' inference engine cannot be used: it checks a step count
-        of 0 against the scheduler, and deletes the optimizer from the config that training then uses. Kept for later
-        evaluations; released before training builds its engine on the same model."""
-        if trainer.deepspeed is not None or zero_stage(self.resolution) != 3:
-            return None
+        """The ZeRO-3 engine an evaluation before training runs through (see evaluating)."""
         if self._evaluation_engine is None:
             import deepspeed
 
@@ -173,12 +204,6 @@ class DeepSpeedBackend(Backend):
             super().load_weights(trainer, checkpoint)
         finally:
             trainer.is_deepspeed_enabled = True
-
-    def evaluates_plain_model(self, trainer) -> bool:
-        # Below ZeRO-3 every rank holds all parameters, so evaluating before training needs no engine; stock
-        # transformers insists on one and fails ("ZeRO inference only makes sense with ZeRO Stage 3").
-        config = trainer.accelerator.state.deepspeed_plugin.hf_ds_config.config
-        return trainer.deepspeed is None and config.get("zero_optimization", {}).get("stage", 0) < 3
 
     def learning_rate_in_use(self, trainer) -> float | None:
         # accelerate runs engine.step() (optimizer and scheduler) inside backward, before transformers reads
@@ -212,6 +237,41 @@ class DeepSpeedBackend(Backend):
         from ..leftovers import remove_own_shm_buffer
 
         remove_own_shm_buffer()  # DeepSpeed's CPU all-reduce never unlinks its /dev/shm buffer
+
+
+@functools.cache
+def finished_by_backend():
+    """The class below, built on first use (it subclasses a transformers class: no torch at import)."""
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    class FinishedByBackend(HfTrainerDeepSpeedConfig):
+        """transformers' DeepSpeed config object (accelerate's plugin holds it and reads its config dict), whose
+        phase 2 (trainer_config_finalize: the model and step count known) is the backend's own translation instead
+        of transformers' "auto" filling. Shares the dict of the object it replaces, so every holder sees one config."""
+
+        def __init__(self, replaced):
+            self.__dict__.update(replaced.__dict__)
+            self.finish = None
+
+        def trainer_config_finalize(self, args, model, num_training_steps):
+            finished = self.finish(args, model, num_training_steps)
+            self.config.clear()
+            self.config.update(finished)
+
+        def __reduce__(self):  # training_args.bin pickles the arguments, which hold this object
+            return plain_deepspeed_config, ({key: value for key, value in self.__dict__.items() if key != "finish"},)
+
+    return FinishedByBackend
+
+
+def plain_deepspeed_config(state: dict):
+    """What a pickled FinishedByBackend loads as: transformers' own class with the same values (no trainer_ext class
+    or trainer reference in a saved training_args.bin)."""
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    config = HfTrainerDeepSpeedConfig.__new__(HfTrainerDeepSpeedConfig)
+    config.__dict__.update(state)
+    return config
 
 
 def keep_used_weight_conversions(model) -> None:
@@ -387,9 +447,9 @@ def check_overflow_by_norm(optimizer) -> str:
     return "gradient norm (a non-finite norm skips the step; no per-parameter scan)"
 
 
-def watch_skipped_steps(trainer) -> None:
-    """Add (once) the callback that names each optimizer step DeepSpeed skipped for a non-finite gradient norm under
-    bf16 and stops the run after MAX_CONSECUTIVE_NONFINITE in a row (built here: transformers imports torch)."""
+def skipped_steps_callback(trainer):
+    """The callback that names each optimizer step DeepSpeed skipped for a non-finite gradient norm under bf16 and
+    stops the run after MAX_CONSECUTIVE_NONFINITE in a row (built here: transformers imports torch)."""
     from transformers import TrainerCallback
 
     class SkippedSteps(TrainerCallback):
@@ -420,8 +480,7 @@ def watch_skipped_steps(trainer) -> None:
                     f"{self.consecutive[0] - 1} (finite, not saved again). Lower --learning_rate, raise --warmup_steps "
                     "or check the data for inf/NaN, then resume from the last checkpoint", main)
 
-    if not any(type(callback).__name__ == "SkippedSteps" for callback in trainer.callback_handler.callbacks):
-        trainer.add_callback(SkippedSteps(trainer))
+    return SkippedSteps(trainer)
 
 
 class NonFiniteGradients(SystemExit):

@@ -87,6 +87,11 @@ class FairScaleBackend(Backend):
 
     # -- optimizer -------------------------------------------------------------------------------------
     def build_optimizer(self, trainer, param_groups, optimizer_cls, kwargs):
+        if trainer.args.fp16:
+            from fairscale.optim.grad_scaler import ShardedGradScaler
+
+            # inf checks and unscaling must see every shard, not only this rank's (before accelerate takes the scaler)
+            trainer.accelerator.scaler = ShardedGradScaler()
         if self.fully_sharded:
             kwargs = optimizer_kwargs_for_scaler(kwargs, trainer.args, self.options)
             optimizer = optimizer_cls(param_groups, **kwargs)
@@ -95,7 +100,10 @@ class FairScaleBackend(Backend):
             return optimizer
         from fairscale.optim import OSS
 
-        return OSS(params=param_groups, optim=optimizer_cls, **kwargs)
+        # Prepared here, without device placement: accelerate moves an optimizer's state by reading state_dict(),
+        # which OSS refuses before consolidation; transformers' own prepare call then leaves it as it is.
+        return trainer.accelerator.prepare(OSS(params=param_groups, optim=optimizer_cls, **kwargs),
+                                           device_placement=[False])
 
     def wraps_before_optimizer(self) -> bool:
         return self.fully_sharded
@@ -122,19 +130,6 @@ class FairScaleBackend(Backend):
         model = model.module if isinstance(model, (ShardedDataParallel, FullyShardedDataParallel)) else model
         return getattr(model, "_orig_mod", model)  # --torch_compile
 
-    def before_prepare(self, trainer, num_training_steps: int, resume_from_checkpoint=None) -> None:
-        if trainer.args.fp16:
-            from fairscale.optim.grad_scaler import ShardedGradScaler
-
-            # inf checks and unscaling must see every shard, not only this rank's
-            trainer.accelerator.scaler = ShardedGradScaler()
-        # accelerate moves an optimizer's state by reading state_dict(), which OSS refuses before consolidation
-        self._device_placement = trainer.accelerator.device_placement
-        trainer.accelerator.device_placement = False
-
-    def after_prepare(self, trainer) -> None:
-        trainer.accelerator.device_placement = self._device_placement
-
     # -- steps and checkpoints -------------------------------------------------------------------------
     def clip_grad_norm(self, trainer, model, max_norm: float):
         """A norm over all shards: every rank gets the same total norm and the same clipping factor. Under --fp16 the
@@ -144,7 +139,7 @@ class FairScaleBackend(Backend):
             return model.clip_grad_norm_(max_norm)
         return sharded_optimizer(trainer.optimizer).clip_grad_norm(max_norm)
 
-    def before_optimizer_save(self, trainer) -> None:
+    def before_checkpoint_save(self, trainer) -> None:
         """Gather the sharded state on rank 0 (a collective: every rank takes part) so it saves one plain
         optimizer state dict, which resumes on any number of ranks."""
         if not self.fully_sharded:

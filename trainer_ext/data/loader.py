@@ -1,5 +1,6 @@
-"""The training DataLoader: our batch sampler (data/samplers.py) wrapped the way the Trainer wraps its own, so that
-columns, collation, workers and device placement are transformers' and accelerate's, and the order is ours."""
+"""The training DataLoader: our batch sampler (data/samplers.py) or a rank's share of a stream (data/stream.py),
+wrapped the way the Trainer wraps its own, so that columns, collation, workers and device placement are transformers'
+and accelerate's, and the order is ours."""
 
 from __future__ import annotations
 
@@ -35,3 +36,26 @@ def _unshard(dataloader, batch_sampler) -> None:
     wrapper = getattr(dataloader, "batch_sampler", None)
     if wrapper is not None and getattr(wrapper, "batch_sampler", None) is batch_sampler:
         wrapper.num_processes, wrapper.process_index = 1, 0
+
+
+def stream_dataloader(trainer, stream):
+    """A DataLoader over one rank's share of a stream, with the Trainer's collator (unused columns removed) and
+    workers. Not prepared by accelerate: it would read the stream on the main process and dispatch its batches,
+    another order; the Trainer moves each batch to the device itself (_prepare_inputs)."""
+    from functools import partial
+
+    from torch.utils.data import DataLoader
+    from transformers.trainer_utils import seed_worker
+
+    from .stream import collate_with_placeholders
+
+    args = trainer.args
+    collator = trainer._get_collator_with_removed_columns(trainer.data_collator, description="training")
+    params = {"batch_size": stream.batch_size, "collate_fn": collate_with_placeholders(collator),
+              "num_workers": args.dataloader_num_workers, "pin_memory": args.dataloader_pin_memory,
+              "persistent_workers": args.dataloader_persistent_workers,
+              "prefetch_factor": args.dataloader_prefetch_factor,
+              "worker_init_fn": partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index)}
+    if args.dataloader_num_workers > 0 and args.dataloader_multiprocessing_context:
+        params["multiprocessing_context"] = args.dataloader_multiprocessing_context
+    return DataLoader(stream, **params)

@@ -1,0 +1,215 @@
+"""What a stock-Trainer user relies on, kept by ExtTrainer, in one process on a tiny model (seconds each): the stock
+Trainer itself is the oracle where it applies. The same promises on 2 ranks are in test_trainer_promises_ranks.py."""
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import (BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments)
+
+from trainer_ext import ExtTrainer, ExtTrainingArguments
+from trainer_ext.checkpoint import CheckpointNotFoundError, damage, publish
+from trainer_ext.errors import UserError
+
+pytestmark = pytest.mark.oldest
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = 64
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def rows():
+    ids = torch.randint(1, 64, (ROWS, 8), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": ids[i], "labels": int(ids[i, 0] > 32)} for i in range(ROWS)]
+
+
+def arguments(output_dir, cls=ExtTrainingArguments, **flags):
+    base = dict(output_dir=str(output_dir), report_to="none", use_cpu=True, per_device_train_batch_size=8,
+                disable_tqdm=True, logging_steps=1, save_strategy="steps", save_steps=2, max_steps=4)
+    return cls(**{**base, **flags})
+
+
+def trained(output_dir, trainer_cls=ExtTrainer, args_cls=ExtTrainingArguments, resume=None, callbacks=None, **flags):
+    trainer = trainer_cls(model=tiny_model(), args=arguments(output_dir, args_cls, **flags), train_dataset=rows(),
+                          eval_dataset=rows()[:16], callbacks=callbacks)
+    outcome = trainer.train(resume_from_checkpoint=resume)
+    return trainer, outcome
+
+
+def test_best_checkpoint_is_recorded_by_its_published_path_and_survives_rotation(tmp_path):
+    """Fails when the best checkpoint is recorded in the staging folder (or not at all) while checkpoints are written
+    aside, or rotation deletes it: the stock Trainer, same flags, is the oracle (its folders, its best, its weights)."""
+    flags = dict(max_steps=-1, num_train_epochs=2, eval_strategy="epoch", save_steps=1, save_total_limit=2,
+                 metric_for_best_model="loss")
+    stock, _ = trained(tmp_path / "stock", Trainer, TrainingArguments, **flags)
+    ours, _ = trained(tmp_path / "ours", **flags)
+    assert stock.state.best_model_checkpoint == str(tmp_path / "stock" / "checkpoint-8")
+    assert ours.state.best_model_checkpoint == str(tmp_path / "ours" / "checkpoint-8")
+    folders = sorted(p.name for p in (tmp_path / "ours").iterdir() if p.name.startswith("checkpoint-"))
+    assert folders == sorted(p.name for p in (tmp_path / "stock").iterdir() if p.name.startswith("checkpoint-")) \
+        == ["checkpoint-16", "checkpoint-8"]
+    saved = json.loads((tmp_path / "ours" / "checkpoint-16" / "trainer_state.json").read_text())
+    assert saved["best_model_checkpoint"] == str(tmp_path / "ours" / "checkpoint-8")
+    assert damage(tmp_path / "ours" / "checkpoint-16") is None  # rewritten before its checksum was recorded
+
+    # load_best_model_at_end (strategies matching, as transformers requires) loads that checkpoint's weights.
+    flags.update(eval_strategy="steps", eval_steps=4, save_steps=4, load_best_model_at_end=True, save_total_limit=1,
+                 greater_is_better=True)  # the worst loss is "best": an early checkpoint, not the last
+    ours, _ = trained(tmp_path / "best", **flags)
+    best = tmp_path / "best" / "checkpoint-4"
+    assert ours.state.best_model_checkpoint == str(best)
+    assert sorted(p.name for p in (tmp_path / "best").glob("checkpoint-*")) == ["checkpoint-4"]  # limit 1: the best
+    expected = load_file(str(best / "model.safetensors"))
+    assert all(torch.equal(ours.model.state_dict()[key], value) for key, value in expected.items())
+
+
+def test_resume_false_starts_fresh_and_true_without_a_checkpoint_is_an_error(tmp_path):
+    """Fails when train(resume_from_checkpoint=False), the stock way to force a fresh start, is refused, or when
+    True (resume, as the user asked) trains from scratch silently where the stock Trainer raises."""
+    trained(tmp_path / "run")
+    trainer, outcome = trained(tmp_path / "run", resume=False)
+    assert outcome.global_step == 4 and "already_complete" not in outcome.metrics
+    with pytest.raises(CheckpointNotFoundError, match="No valid checkpoint found in output directory"):
+        trained(tmp_path / "empty", resume=True)
+    with pytest.raises(FileNotFoundError):  # the not-found kind is a FileNotFoundError too
+        trained(tmp_path / "empty", resume=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError):  # every user error is a ValueError (UserError)
+        trained(tmp_path / "empty", resume=True)
+
+
+def test_a_second_train_in_the_same_process_trains_as_the_stock_trainer(tmp_path):
+    """Fails when a second train() (a notebook, two phases, transformers' own tests) picks up the checkpoint this
+    same process just wrote and trains nothing ("already complete") or refuses it as another model's."""
+    first, _ = trained(tmp_path / "run")
+    again = ExtTrainer(model=tiny_model(), args=arguments(tmp_path / "run"), train_dataset=rows())
+    outcome = again.train()
+    assert again.training_already_complete is None and outcome.global_step == 4
+    assert [row["loss"] for row in again.state.log_history if "loss" in row] == \
+        [row["loss"] for row in first.state.log_history if "loss" in row]  # trained from step 0, the same way
+    wider = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=24, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=32))
+    ExtTrainer(model=wider, args=arguments(tmp_path / "run"), train_dataset=rows()).train()  # another model: fine
+
+
+@pytest.mark.launch
+def test_a_checkpoint_an_earlier_process_wrote_is_resumed(tmp_path, caplog):
+    """Fails when the automatic resume of a restarted command stops picking up what an earlier process wrote (the
+    other side of the same-process rule)."""
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import test_trainer_promises as t; "
+            "t.trained(sys.argv[3], max_steps=2)")
+    done = subprocess.run([sys.executable, "-c", code, str(ROOT), str(ROOT / "tests"), str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with caplog.at_level(logging.WARNING):
+        trainer, outcome = trained(tmp_path / "run")
+    assert f"resuming from {tmp_path / 'run' / 'checkpoint-2'}" in caplog.text and outcome.global_step == 4
+
+
+def test_weights_resaved_in_another_layout_resume_and_damaged_files_do_not(tmp_path, caplog):
+    """Fails when a checkpoint whose weights a user re-saved as shards + index (the stock resume test does it) is
+    refused as damaged, or when a truncated or changed file stops being refused."""
+    trained(tmp_path / "run")
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    model = BertForSequenceClassification.from_pretrained(checkpoint)
+    (checkpoint / "model.safetensors").unlink()
+    model.save_pretrained(checkpoint, max_shard_size="20KB")
+    assert len(list(checkpoint.glob("model-*-of-*.safetensors"))) > 1
+    with caplog.at_level(logging.WARNING):
+        trainer, outcome = trained(tmp_path / "run", resume=str(checkpoint))
+    assert outcome.global_step == 4 and f"resuming from {checkpoint}" in caplog.text
+    assert "its weights are no longer the files written there" in caplog.text
+    sorted(checkpoint.glob("model-*-of-*.safetensors"))[0].unlink()  # the new layout incomplete: not loadable
+    with pytest.raises(UserError, match="model.safetensors is missing"):
+        trained(tmp_path / "run", resume=str(checkpoint))
+
+
+def test_damage_tells_a_relayout_from_a_fault(tmp_path):
+    """Fails when a deliberate relayout of the weights (either direction) is called damage, or a fault is not."""
+    def checkpoint(name, files):
+        folder = tmp_path / "staged" / name
+        folder.mkdir(parents=True)
+        for relative, content in files.items():
+            (folder / relative).write_bytes(content)
+        (tmp_path / "out").mkdir(exist_ok=True)
+        return publish(folder, tmp_path / "out", {})
+
+    index = json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                       "b": "model-00002-of-00002.safetensors"}}).encode()
+    sharded = checkpoint("checkpoint-1", {"model.safetensors.index.json": index, "optimizer.pt": b"o",
+                                          "model-00001-of-00002.safetensors": b"one",
+                                          "model-00002-of-00002.safetensors": b"two"})
+    for name in ("model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        (sharded / name).unlink()
+    (sharded / "model.safetensors").write_bytes(b"merged")
+    assert damage(sharded) is None  # merged into one file
+    single = checkpoint("checkpoint-2", {"model.safetensors": b"weights", "optimizer.pt": b"o"})
+    (single / "model.safetensors").unlink()
+    assert damage(single) == "model.safetensors is missing"  # no other layout: a fault
+    (single / "model.safetensors.index.json").write_bytes(index)
+    (single / "model-00001-of-00002.safetensors").write_bytes(b"1")
+    assert damage(single) == "model.safetensors is missing"  # an index whose shards are not all there
+    (single / "model-00002-of-00002.safetensors").write_bytes(b"2")
+    assert damage(single) is None  # re-saved sharded
+    (single / "optimizer.pt").write_bytes(b"x")
+    assert "does not match the checksum" in damage(single)  # a file of the checkpoint changed: still refused
+
+
+def test_auto_find_batch_size_survives_a_finished_run_started_again(tmp_path):
+    """Fails when the batch size auto_find_batch_size settled on is lost (back to the flag's) when a finished run is
+    started again and trains nothing."""
+    class OutOfMemoryAt16(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.train_batch_size == 16:
+                raise RuntimeError("CUDA out of memory.")
+
+    flags = dict(auto_find_batch_size=True, per_device_train_batch_size=16)
+    first, _ = trained(tmp_path / "run", callbacks=[OutOfMemoryAt16()], **flags)
+    assert first.state.train_batch_size == 14
+    again, outcome = trained(tmp_path / "run", resume=True, **flags)
+    assert outcome.metrics.get("already_complete") and again._train_batch_size == 14
+
+
+@pytest.mark.launch
+def test_user_errors_are_catchable_and_uncaught_exit_2_in_one_line(tmp_path):
+    """Fails when a user's mistake ends a script or notebook with SystemExit (uncatchable by `except Exception`), or
+    when, uncaught, it ends a script with a traceback instead of one line and exit status 2."""
+    trainer = ExtTrainer(model=tiny_model(), args=arguments(tmp_path), train_dataset=rows())
+    try:
+        trainer.train(resume_from_checkpoint=str(tmp_path / "bogus"))
+    except Exception as err:  # noqa: BLE001 - what a notebook user writes
+        caught = err
+    assert isinstance(caught, CheckpointNotFoundError) and "no such folder" in str(caught)
+    script = tmp_path / "script.py"
+    script.write_text("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import test_trainer_promises as t; "
+                      "t.trained(sys.argv[3], resume=sys.argv[3] + '/bogus')\n")
+    done = subprocess.run([sys.executable, script, str(ROOT), str(ROOT / "tests"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.count(f"Can't find a valid checkpoint at {tmp_path}/bogus") == 1  # the stock Trainer's words
+
+
+
+def test_hyperparameter_search_builds_each_trial_model_with_model_init(tmp_path):
+    """Fails when transformers' hyperparameter_search (which drops the model between trials for model_init to build
+    anew) breaks under ExtTrainer, or a trial resumes another trial's checkpoints."""
+    pytest.importorskip("optuna")
+    trainer = ExtTrainer(model_init=lambda trial=None: tiny_model(), args=arguments(tmp_path, eval_strategy="steps",
+                                                                                   eval_steps=2),
+                         train_dataset=rows(), eval_dataset=rows()[:16])
+    best = trainer.hyperparameter_search(direction="minimize", backend="optuna", n_trials=2,
+                                         hp_space=lambda trial: {"learning_rate": trial.suggest_float("lr", 1e-4, 1e-2)})
+    assert best.run_id in ("0", "1")
+    assert sorted(p.name for p in (tmp_path / f"run-{best.run_id}").glob("checkpoint-*")) == ["checkpoint-2",
+                                                                                             "checkpoint-4"]
