@@ -22,6 +22,9 @@ from .deepspeed_config import FLAG_RANGES, out_of_range
 from .checkpoint import CheckpointNotFoundError
 from .errors import ArgumentsError, UserError, closest, debugging, main_process
 from .runtime import check_rank_variables, prepare_cpu_ranks, quiet_deepspeed_on_cpu_machines
+from .sagemaker import parse_list
+from .sagemaker import prepare_arguments as prepare_sagemaker
+from .sagemaker import spread_lists
 from .settings import merge_warmup_ratio
 
 logger = logging.getLogger(__name__)
@@ -49,13 +52,17 @@ def check_fp16_backend(backend: str, opt_level: str) -> None:
 
 
 def parse_class_weights(value) -> list[float] | None:
-    """`--class_weights 1.0,3.0` (or a list) -> [1.0, 3.0]; every weight positive."""
+    """`--class_weights 1.0,3.0`, a JSON list `[1.0, 3.0]` (how SageMaker passes a list hyperparameter) or a list ->
+    [1.0, 3.0]; every weight positive."""
     if value is None or value == "" or value == []:
         return None
-    items = value.split(",") if isinstance(value, str) else list(value)
     try:
+        if isinstance(value, str) and value.strip().startswith("["):
+            items = parse_list(value.strip())
+        else:
+            items = value.split(",") if isinstance(value, str) else list(value)
         weights = [float(item) for item in items]
-    except ValueError:
+    except (ValueError, TypeError):
         raise ArgumentsError(f"--class_weights {value!r}: give numbers separated by commas, e.g. 1.0,3.0") from None
     if len(weights) < 2 or any(w <= 0 for w in weights):
         raise ArgumentsError(f"--class_weights {value!r}: need one positive weight per class (at least two)")
@@ -190,6 +197,10 @@ class ExtTrainingArguments(TrainingArguments):
         default=None, metadata={"help": "fsspec options for --checkpoint_uri as JSON, e.g. "
                                         '\'{"endpoint_url": "http://127.0.0.1:9000"}\'.'}
     )
+    checkpoint_dir: str | None = field(
+        default=None, metadata={"help": "Write checkpoints here and resume from here (default: output_dir; in a "
+                                        "SageMaker job, the folder synced with checkpoint_s3_uri)."}
+    )
 
     def __new__(cls, *args, **kwargs):
         # __new__, not __init__: it sees the constructor's arguments in every dataclass subclass too (each generates
@@ -201,6 +212,7 @@ class ExtTrainingArguments(TrainingArguments):
     def __post_init__(self):
         check_rank_variables()  # leftover WORLD_SIZE/RANK without a launcher: seconds, not a wait for peers forever
         quiet_deepspeed_on_cpu_machines()
+        prepare_sagemaker(self)  # in a SageMaker job: where the model, checkpoints and logs go; nothing elsewhere
         if problems := flag_problems(self):  # what this machine cannot change; trainer-ext ds-config runs the same
             raise ArgumentsError("\n".join(problems))
         self.deepspeed_resolution = None  # set by the DeepSpeed backend: the config resolved against these flags
@@ -219,14 +231,16 @@ class ExtTrainingArguments(TrainingArguments):
         return decided if decided is not None else super().place_model_on_device
 
     def check_output_dir(self) -> None:
-        """--output_dir is a folder this process can write (or create), checked before any training."""
-        output = Path(self.output_dir) if self.output_dir else None
-        if output is not None and output.exists() and not output.is_dir():
-            raise ArgumentsError(f"--output_dir {output}: is a file, not a folder")
-        if output is not None:
-            existing = next(p for p in (output, *output.parents) if p.exists())
-            if not os.access(existing, os.W_OK | os.X_OK):
-                raise ArgumentsError(f"--output_dir {output}: {existing} is not writable")
+        """--output_dir (and --checkpoint_dir) is a folder this process can write (or create), checked before any
+        training."""
+        for flag in ("output_dir", "checkpoint_dir"):
+            output = Path(getattr(self, flag)) if getattr(self, flag) else None
+            if output is not None and output.exists() and not output.is_dir():
+                raise ArgumentsError(f"--{flag} {output}: is a file, not a folder")
+            if output is not None:
+                existing = next(p for p in (output, *output.parents) if p.exists())
+                if not os.access(existing, os.W_OK | os.X_OK):
+                    raise ArgumentsError(f"--{flag} {output}: {existing} is not writable")
 
     def check_paths(self) -> None:
         """What can be checked before the model is loaded (seconds to minutes on a big model): an explicit checkpoint
@@ -288,8 +302,13 @@ class ExtArgumentParser(HfArgumentParser):
                 given.add(action.dest)
         return frozenset(given)
 
+    def list_flags(self) -> set[str]:
+        """The option strings that take several words (nargs + or *)."""
+        return {option for action in self._actions if action.nargs in ("+", "*") for option in action.option_strings}
+
     def parse_known_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else list(args)  # with any .args file's words HfArgumentParser added
+        argv = spread_lists(argv, self.list_flags())  # a SageMaker list hyperparameter arrives as one word
         self.flags_given = self.flags_named(argv)
         return super().parse_known_args(argv, namespace)
 

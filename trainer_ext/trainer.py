@@ -26,8 +26,10 @@ from .output_dir import hold_output_dir, release_output_dir
 from .preemption import Preempted, PreemptionCallback
 from .private_hooks import PrivateTrainerHooks
 from .run_checkpoints import RunCheckpoints
+from .run_checkpoints import checkpoint_folder
 from .runtime import (check_process_group, quiet_deepspeed_on_cpu_machines, release_at_exit,
                       share_cores_between_cpu_ranks)
+from .sagemaker import prepare_arguments as prepare_sagemaker
 from .search.callback import trial_callback
 from .settings import OptimizerSettings, SchedulerSettings
 
@@ -52,6 +54,8 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                  scheduler_settings: SchedulerSettings | None = None, **kwargs):
         install_excepthook()
         quiet_deepspeed_on_cpu_machines()  # plain TrainingArguments did not
+        if args is not None:
+            prepare_sagemaker(args)  # plain TrainingArguments in a SageMaker job: model, checkpoints, logs placed
         self.backend = select_backend(args)
         if args is not None:
             self.backend.check(args)
@@ -291,7 +295,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             self.preemption.uninstall()
             self.checkpoints.wait()  # a preempted run's last checkpoint too
         if self.preemption.signum:
-            saved = newest_valid_checkpoint(self.args.output_dir)
+            saved = newest_valid_checkpoint(checkpoint_folder(self.args))
             logger.warning("preempted: checkpoint %s written; run the same command again to resume", saved)
             raise Preempted(self.preemption.signum, saved)
         if self.search_trial is not None:

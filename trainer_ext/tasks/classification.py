@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import ArgumentsError
 from .common import (REPO, ModelArguments, check_sample_limits, first, load_config, load_tokenizer, needed_splits,
-                     shipped_model, train_and_save)
+                     shipped_model, train_and_save, with_channels)
 
 SHIPPED_DATA = REPO / "data" / "classification"
 EVAL_METRICS = ("loss", "accuracy")  # what evaluation reports (eval_*): `trainer-ext search` checks its metric
@@ -55,14 +55,18 @@ class DataArguments:
             raise ArgumentsError(f"--max_seq_length {self.max_seq_length} must be at least 1")
 
     def uses_shipped_data(self) -> bool:
-        return self.dataset_name is None and not any((self.train_file, self.validation_file, self.test_file))
+        return self.dataset_name is None and not any(self._given().values())
 
     def data_files(self) -> dict[str, str]:
-        """The files given; all three shipped ones when none is (never a shipped file beside a file of the user's)."""
+        """The files given (a SageMaker job's channels fill splits no flag names); all three shipped ones when none
+        is (never a shipped file beside a file of the user's)."""
         if self.uses_shipped_data():
             return {split: str(SHIPPED_DATA / f"{split}.jsonl") for split in SPLITS}
-        given = {"train": self.train_file, "validation": self.validation_file, "test": self.test_file}
-        return {split: str(path) for split, path in given.items() if path}
+        return {split: str(path) for split, path in self._given().items() if path}
+
+    def _given(self) -> dict:
+        return with_channels({"train": self.train_file, "validation": self.validation_file, "test": self.test_file},
+                             (".jsonl", ".json", ".csv"))
 
 
 def load_raw(data_args: DataArguments, training_args=None):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ArgumentsError, UserError
+from ..sagemaker import channel_files
 
 REPO = Path(__file__).resolve().parents[2]  # shipped data lives in a source checkout's data/
 
@@ -115,6 +116,13 @@ def check_vocabulary(tokenizer, flag: str, where) -> None:
                              f"tokenizer would have only its {len(tokenizer)} special tokens and read every word as "
                              "unknown; copy the tokenizer files of the model's origin into it, or give "
                              "--tokenizer_name")
+
+
+def with_channels(given: dict, suffixes: tuple[str, ...]) -> dict:
+    """The data files the flags name; in a SageMaker job a split with none comes from its data channel
+    (SM_CHANNEL_TRAIN / _VALIDATION / _TEST), when the job has one."""
+    channels = channel_files(suffixes)
+    return {split: path or channels.get(split) for split, path in given.items()}
 
 
 def first(dataset, limit):

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import ArgumentsError
 from .common import (REPO, ModelArguments, check_sample_limits, first, load_config, load_tokenizer, shipped_model,
-                     train_and_save)
+                     train_and_save, with_channels)
 
 logger = logging.getLogger(__name__)
 
@@ -288,15 +288,18 @@ class DataArguments:
             raise ArgumentsError("; ".join(problems))
 
     def uses_shipped_data(self) -> bool:
-        return not (self.train_file or self.validation_file)
+        return not any(self._given().values())
 
     def data_files(self) -> dict[str, str]:
-        """The files given; both shipped ones when none is (never a shipped file beside a file of the user's)."""
+        """The files given (a SageMaker job's channels fill splits no flag names); both shipped ones when none is
+        (never a shipped file beside a file of the user's)."""
         if self.uses_shipped_data():
             suffix = "_v2" if self.version_2_with_negative else ""
             return {split: str(SHIPPED_DATA / f"{split}{suffix}.json") for split in ("train", "validation")}
-        return {split: path for split, path in (("train", self.train_file), ("validation", self.validation_file))
-                if path}
+        return {split: str(path) for split, path in self._given().items() if path}
+
+    def _given(self) -> dict:
+        return with_channels({"train": self.train_file, "validation": self.validation_file}, (".json",))
 
 
 def checked_files(data_args: DataArguments, training_args) -> tuple[dict[str, str], set[str]]:

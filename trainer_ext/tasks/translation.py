@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import ArgumentsError
 from .common import ModelArguments as CommonModelArguments
-from .common import check_sample_limits, reading, shipped_model, train_and_save
+from .common import check_sample_limits, reading, shipped_model, train_and_save, with_channels
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +73,13 @@ class DataArguments:
 
 # -- data ------------------------------------------------------------------------------------------------------
 def data_files(data_args: DataArguments, training_args) -> dict[str, str]:
-    """The files this run reads, checked before anything loads: the splits it uses plus any file named; the shipped
-    ones only when no file at all is given (never beside a file of the user's)."""
+    """The files this run reads, checked before anything loads: the splits it uses plus any file named (a SageMaker
+    job's channels fill splits no flag names); the shipped ones only when no file at all is given (never beside a file
+    of the user's)."""
     from .common import check_needed_splits, needed_splits, shipped_data_note
 
-    given = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+    given = with_channels({"train": data_args.train_file, "validation": data_args.validation_file,
+                           "test": data_args.test_file}, (".jsonl", ".json"))
     needed = needed_splits(data_args, training_args)
     shipped = not any(given.values())
     if not shipped:
