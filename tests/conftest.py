@@ -332,3 +332,36 @@ def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("order")
     train(root / "run", root / "indices", 8, 2, "--max_steps", 14)
     return root
+
+
+def build_tiny_bert(folder, max_position_embeddings=512):
+    """A 2-layer BERT base model (no head) with a fast WordPiece tokenizer over the shipped classification set's words
+    and characters, saved as a user's model folder (~200 kB): the examples run on it without the 83 MB package."""
+    import json
+    import re
+    from collections import Counter
+
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    words = Counter()
+    for line in (REPO / "data" / "classification" / "train.jsonl").read_text().splitlines():
+        words.update(re.findall(r"\w+|[^\w\s]", json.loads(line)["sentence"].lower()))
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyz0123456789.,!?'-()"))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *(f"##{c}" for c in chars),
+             *(word for word, _ in words.most_common(200) if word not in chars)]
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab=str(folder / "vocab.txt")).save_pretrained(folder)  # transformers 5 ignores vocab_file
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=max_position_embeddings,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    BertModel(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory):
+    """A user's own small model folder (see build_tiny_bert): read-only for the tests; copy it to change it."""
+    return build_tiny_bert(tmp_path_factory.mktemp("tiny-bert") / "model")

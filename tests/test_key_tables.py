@@ -64,3 +64,23 @@ def test_translator_imports_without_torch_or_deepspeed():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "pure ok" in out.stdout
+
+
+def test_optimizer_names_equal_deepspeeds_and_torchs():
+    """optimizer.type is checked against these lists before training: a list behind DeepSpeed's or torch's would
+    refuse an optimizer DeepSpeed builds, or let through one it asserts on when the engine starts."""
+    import inspect
+
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    assert dc.keys.DEEPSPEED_OPTIMIZERS == set(DEEPSPEED_OPTIMIZERS)
+    assert set(dc.keys.TORCH_OPTIMIZERS) == {
+        name for name, value in vars(torch.optim).items()
+        if inspect.isclass(value) and issubclass(value, torch.optim.Optimizer) and value is not torch.optim.Optimizer}
+    # ZeRO's tested classes, by the optimizer.type that builds them (torch's Adam/AdamW/Adagrad, DeepSpeed's fused and
+    # CPU Adam, Adagrad and Lion)
+    tested = {cls.__name__.lower().removeprefix("deepspeedcpu").removeprefix("fused").removeprefix("zenflowcpu")
+              for cls in ZERO_SUPPORTED_OPTIMIZERS}
+    assert dc.keys.ZERO_TESTED_OPTIMIZERS == tested

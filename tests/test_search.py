@@ -15,12 +15,15 @@ import yaml
 from conftest import BIN, REPO, clean_env, run
 from trainer_ext.checkpoint import newest_valid_checkpoint
 from trainer_ext.experiment import argument_classes, flag_types
+from trainer_ext.search import PRUNED_ATTR
 from trainer_ext.search.space import read_search
 
 optuna = pytest.importorskip("optuna")  # trainer_ext[search], in the test extra
 TRAINER_EXT = BIN / "trainer-ext"
 ENV = {"HF_HUB_OFFLINE": "1"}
 LEARNING_RATE = {"type": "log_float", "low": 1.0e-5, "high": 1.0e-3}
+TINY = {"config": {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64},
+        "model": {"ignore_mismatched_sizes": True}, "dropout": 0}  # MiniLM's tokenizer, a 0.5M-parameter model
 
 
 def tiny_search(tmp_path, search, backend=None, **hyperparameters):
@@ -57,9 +60,9 @@ def runs_in(log: Path) -> int:
 def test_six_trial_search_prunes_keeps_the_best_and_never_runs_a_trial_twice(tmp_path):
     """Each trial trains with its values; one the pruner rejects stops at that evaluation after a checkpoint; only the
     best trial keeps its model; table and plots are written; the same command again trains nothing."""
-    # No accuracy reaches 1.01: a trial evaluated at step 4 is pruned there, one of 2 steps completes.
+    # No accuracy reaches 1.01: a trial evaluated at step 4 (16 samples) is pruned there, one of 2 steps completes.
     path = tiny_search(tmp_path, {"max_trials": 6, "parallel_trials": 2,
-                                  "pruner": {"type": "threshold", "lower": 1.01, "n_warmup_steps": 4},
+                                  "pruner": {"type": "threshold", "lower": 1.01, "n_warmup_steps": 16},
                                   "space": {"learning_rate": LEARNING_RATE, "max_steps": [2, 6]}})
     out = run([TRAINER_EXT, "search", path], env=ENV, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -71,7 +74,7 @@ def test_six_trial_search_prunes_keeps_the_best_and_never_runs_a_trial_twice(tmp
         log = (folder / f"trial-{trial.number}" / "trial.log").read_text()
         assert f"--learning_rate {trial.params['learning_rate']!r} --max_steps {trial.params['max_steps']}" in log
         if trial.params["max_steps"] == 6:
-            assert trial.state == states.PRUNED and sorted(trial.intermediate_values) == [2, 4], log[-2000:]
+            assert trial.state == states.PRUNED and sorted(trial.intermediate_values) == [8, 16], log[-2000:]
             assert f"search trial {trial.number} pruned at step 4" in log and "'epoch': '0.75'" not in log
         else:
             assert trial.state == states.COMPLETE, log[-2000:]
@@ -141,6 +144,30 @@ def test_a_killed_two_rank_search_continues_its_interrupted_trial_from_its_check
     assert stage == values["deepspeed.zero_optimization.stage"] and f"ZeRO-{stage} on 2 rank(s)" in log
 
 
+@pytest.mark.launch
+@pytest.mark.model_package
+def test_successive_halving_compares_two_batch_sizes_at_equal_samples(tmp_path):
+    """The pruner's budget is training samples: a batch-4 and a batch-8 trial (one epoch of 32 samples each) are both
+    evaluated at the rung's 16 samples (steps 4 and 2) and compared there, and the one behind stops at that rung (with
+    steps, batch 8 was judged after twice the data of batch 4)."""
+    path = tiny_search(tmp_path, {"max_trials": 2, "metric": "loss", "sampler": {"type": "random", "seed": 2},
+                                  "pruner": {"type": "successive_halving", "min_resource": 16, "reduction_factor": 2},
+                                  "space": {"per_device_train_batch_size": [4, 8]}},
+                       max_steps=-1, num_train_epochs=1, eval_steps=100, save_steps=100, **TINY)
+    out = run([TRAINER_EXT, "search", path], env=ENV, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    first, second = study(tmp_path)[0].get_trials()
+    assert [trial.params["per_device_train_batch_size"] for trial in (first, second)] == [4, 8]  # the seed's draws
+    for trial in (first, second):  # the rung's value is the evaluation at 16 samples, whatever the batch size
+        assert trial.system_attrs["completed_rung_0"] == trial.intermediate_values[16]
+    assert first.state.name == "COMPLETE" and sorted(first.intermediate_values) == [16, 32]
+    assert first.user_attrs["steps"] == 8  # 32 samples at 4 a step
+    # At 16 samples batch 4 has taken 4 optimizer steps and batch 8 two: the batch-8 trial is behind and stops there.
+    assert second.intermediate_values[16] > first.intermediate_values[16]
+    assert second.state.name == "PRUNED" and sorted(second.intermediate_values) == [16]
+    assert second.user_attrs[PRUNED_ATTR] == 2  # 16 samples at 8 a step
+
+
 def test_the_shipped_search_section_is_valid():
     """`trainer-ext search experiments/classification.yaml` must work on first try."""
     values = yaml.safe_load((REPO / "experiments" / "classification.yaml").read_text())
@@ -155,6 +182,7 @@ def test_the_shipped_search_section_is_valid():
 def test_a_bad_search_section_is_named_line_by_line():
     """Each mistake in a search section is one line with the closest valid key or value (was: none of it checked)."""
     section = {"metrc": "accuracy", "metric": "acuracy", "direction": "maximise", "max_trials": 0,
+               "heartbeat_interval": 10, "grace_period": 5,
                "sampler": {"type": "tpee"}, "pruner": {"type": "hyperband", "min_resourse": 2},
                "space": {"learnin_rate": LEARNING_RATE, "lr": LEARNING_RATE,
                          "warmup_steps": {"type": "log_float", "low": 0, "high": 3},
@@ -188,13 +216,16 @@ def test_a_bad_search_section_is_named_line_by_line():
         "'accuracy'?)",
         "exp.yaml: search: direction: expected one of maximize, minimize, got 'maximise' (did you mean 'maximize'?)",
         "exp.yaml: search: max_trials: 0 must be at least 1",
+        "exp.yaml: search: grace_period 5 must exceed heartbeat_interval 10 (a few heartbeats, e.g. 6x), or live "
+        "workers look dead",
         "exp.yaml: search: sampler: type: expected one of tpe, random, got 'tpee' (did you mean 'tpe'?)",
         "exp.yaml: search: pruner: hyperband: unknown key 'min_resourse' (did you mean 'min_resource'?)"]
 
 
 @pytest.mark.launch
 def test_a_broken_search_exits_2_before_anything_trains(tmp_path):
-    """File, section, flag, launcher and value problems (batch 0, ZeRO stage 4) at once, exit 2, before any study."""
+    """File, section, flag, launcher and value problems (batch 0, ZeRO stage 4) and a storage without its database
+    driver, at once, exit 2, before any study."""
     path = tiny_search(tmp_path, {"pruner": "hyperband", "space": {
         "per_device_train_batch_size": {"type": "int", "low": 0, "high": 16},
         "deepspeed.zero_optimization.stage": [2, 4], "learning_rate": LEARNING_RATE}},
@@ -214,14 +245,41 @@ def test_a_broken_search_exits_2_before_anything_trains(tmp_path):
         "nothing was trained"]
     assert not (tmp_path / "out").exists()
 
-    path = tiny_search(tmp_path, {"space": {"per_device_train_batch_size": {"type": "int", "low": 0, "high": 16},
+    # A storage whose driver is missing (psycopg made unimportable): one line with the package to install.
+    blocked = tmp_path / "no-psycopg" / "psycopg"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('psycopg is blocked by the test')\n")
+    path = tiny_search(tmp_path, {"storage": "postgresql://search:secret@127.0.0.1:1/optuna",
+                                  "space": {"per_device_train_batch_size": {"type": "int", "low": 0, "high": 16},
                                             "deepspeed.zero_optimization.stage": [2, 4]}},
                        backend={"deepspeed": "zero2_minimal"})
-    out = run([TRAINER_EXT, "search", path], env=ENV)
+    out = run([TRAINER_EXT, "search", path], env={
+        **ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(blocked.parent), os.environ.get("PYTHONPATH")]))})
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     lines = out.stderr.replace("trainer-ext search: error: ", "").splitlines()
+    assert f"{path}: search: storage: postgresql://search:***@127.0.0.1:1/optuna: postgresql:// needs the psycopg " \
+           "driver, which is not installed: pip install 'psycopg[binary]' (or pip install " \
+           "'trainer_ext[search-postgres]'); postgresql+psycopg2:// selects psycopg2" in lines
     assert f"{path}: search.space: per_device_train_batch_size = 0: --per_device_train_batch_size 0: must be a " \
            "positive integer" in lines
     assert f"{path}: search.space: deepspeed.zero_optimization.stage = 4: zero_optimization.stage must be 0, 1, 2 " \
            "or 3, got 4" in lines
     assert not (tmp_path / "out").exists()
+
+
+def test_rung_pruners_evaluate_at_their_sample_counts():
+    """Successive halving and Hyperband given min_resource get an evaluation at each rung's sample count (min_resource x
+    reduction_factor^k, from min_early_stopping_rate on); other pruners, and these without min_resource, add none."""
+    from types import SimpleNamespace
+
+    from trainer_ext.search.callback import rungs, samples_per_step
+
+    assert rungs({"type": "hyperband", "min_resource": 16, "reduction_factor": 2})(100) == [16, 32, 64]
+    assert rungs({"type": "hyperband", "min_resource": 1})(30) == [1, 3, 9, 27]  # Optuna's factor 3
+    assert rungs({"type": "successive_halving", "min_resource": 8, "reduction_factor": 4,
+                  "min_early_stopping_rate": 1})(600) == [32, 128, 512]
+    # Without min_resource (Hyperband's 1 sample would evaluate after one step) the regular evaluations decide.
+    assert rungs({"type": "hyperband"}) is None and rungs({"type": "successive_halving", "min_resource": "auto"}) is None
+    assert rungs({"type": "median", "min_resource": 16}) is None
+    args = SimpleNamespace(train_batch_size=4, gradient_accumulation_steps=3, world_size=2)
+    assert samples_per_step(args) == 24

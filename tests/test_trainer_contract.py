@@ -30,13 +30,14 @@ CALLS = {
     "_get_collator_with_removed_columns": ("collator", "description"),
     "_prepare_inputs": ("inputs",),
     "_save": ("output_dir", "state_dict"),
+    "_save_checkpoint": ("model", "trial"),  # metrics_check.py: the training so far, before a bad compute_metrics
     "set_initial_training_values": ("args", "dataloader"),
     "get_decay_parameter_names": ("model",),
 }
 
 # Attributes ExtTrainer sets or reads that the Trainer's own code must use under the same name.
 ATTRIBUTES = ("_tr_loss", "_created_lr_scheduler", "_train_batch_size", "model_accepts_loss_kwargs",
-              "loss_is_scaled_for_ga")
+              "loss_is_scaled_for_ga", "compute_metrics", "is_in_train")  # the last two: metrics_check.py
 
 
 def parameters(function):

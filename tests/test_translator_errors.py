@@ -311,6 +311,7 @@ def test_keyword_arguments_from_python_count_as_typed(tmp_path, monkeypatch):
     from trainer_ext import ExtTrainingArguments
 
     monkeypatch.setenv("RANK", "0")  # a launched rank: no launcher variables set for this test process
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # as torchrun sets it (rank variables without it are refused)
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(DeepSpeedConfigError, match=r"train_batch_size=100 .*--per_device_train_batch_size 50"):

@@ -21,7 +21,10 @@ from .backends.fairscale import OPTIONS as SHARDED_DDP_OPTIONS
 from .deepspeed_config import FLAG_RANGES, out_of_range
 from .checkpoint import CheckpointNotFoundError
 from .errors import ArgumentsError, UserError, closest, debugging, main_process
-from .runtime import prepare_cpu_ranks
+from .runtime import check_rank_variables, prepare_cpu_ranks
+from .sagemaker import parse_list
+from .sagemaker import prepare_arguments as prepare_sagemaker
+from .sagemaker import spread_lists
 from .settings import merge_warmup_ratio
 
 logger = logging.getLogger(__name__)
@@ -49,13 +52,17 @@ def check_fp16_backend(backend: str, opt_level: str) -> None:
 
 
 def parse_class_weights(value) -> list[float] | None:
-    """`--class_weights 1.0,3.0` (or a list) -> [1.0, 3.0]; every weight positive."""
+    """`--class_weights 1.0,3.0`, a JSON list `[1.0, 3.0]` (how SageMaker passes a list hyperparameter) or a list ->
+    [1.0, 3.0]; every weight positive."""
     if value is None or value == "" or value == []:
         return None
-    items = value.split(",") if isinstance(value, str) else list(value)
     try:
+        if isinstance(value, str) and value.strip().startswith("["):
+            items = parse_list(value.strip())
+        else:
+            items = value.split(",") if isinstance(value, str) else list(value)
         weights = [float(item) for item in items]
-    except ValueError:
+    except (ValueError, TypeError):
         raise ArgumentsError(f"--class_weights {value!r}: give numbers separated by commas, e.g. 1.0,3.0") from None
     if len(weights) < 2 or any(w <= 0 for w in weights):
         raise ArgumentsError(f"--class_weights {value!r}: need one positive weight per class (at least two)")
@@ -93,16 +100,46 @@ def flag_problems(args) -> list[str]:
             return otherwise
 
     checked(check_fp16_backend, args.fp16_backend, args.fp16_opt_level)
+    if getattr(args, "use_cpu", False) and args.fp16:  # whatever this machine has: a preview says it too
+        problems.append("--fp16 with --use_cpu: fp16 needs a CUDA device and --use_cpu trains on the CPU; use --bf16 "
+                        "(or fp32) on CPU, or drop --use_cpu")
     args.warmup_steps = checked(merge_warmup_ratio, args.warmup_steps, args.warmup_ratio, otherwise=args.warmup_steps)
     args.class_weights = checked(parse_class_weights, args.class_weights)
     args.checkpoint_storage_options = checked(parse_storage_options, args.checkpoint_storage_options, otherwise={})
     return problems + selection_problems(args) + value_problems(args)
 
 
+STEPS = "a whole number of steps, or a ratio in (0, 1) of the training steps"
+# Values transformers would silently replace or ignore (TrainingArguments.__post_init__ and the Trainer, 5.23): each
+# flag -> (holds for the value, what it must be). None (unset) always holds.
+TRAINING_RANGES = {
+    "logging_steps": (lambda v: v > 0, f"must be > 0 ({STEPS}); transformers would log at negative multiples"),
+    "eval_steps": (lambda v: v > 0, f"must be > 0 ({STEPS}); transformers would use --logging_steps instead (leave "
+                                    "it unset for that)"),
+    "save_steps": (lambda v: v > 0, f"must be > 0 ({STEPS}); transformers would never save (--save_strategy no "
+                                    "says that)"),
+    "save_total_limit": (lambda v: v >= 1, "must be at least 1; transformers would keep every checkpoint (leave it "
+                                           "unset for that)"),
+    "max_steps": (lambda v: v == -1 or v > 0, "must be a positive number of steps, or -1 to train "
+                                              "--num_train_epochs (transformers would ignore it)"),
+    "num_train_epochs": (lambda v: v >= 0, "must be >= 0"),
+    "eval_delay": (lambda v: v >= 0, "must be >= 0 (steps or epochs before the first evaluation)"),
+    "label_smoothing_factor": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "dataloader_num_workers": (lambda v: v >= 0, "must be >= 0 (0: load in the main process)"),
+    "eval_accumulation_steps": (lambda v: v >= 1, "must be at least 1"),
+    "seed": (lambda v: 0 <= v < 2 ** 32, "must be in [0, 2**32) (numpy's seed range)"),
+    "data_seed": (lambda v: 0 <= v < 2 ** 32, "must be in [0, 2**32) (numpy's seed range)"),
+}
+
+
 def value_problems(args) -> list[str]:
-    """Flags out of FLAG_RANGES, and a training run with nothing to train."""
+    """Flags out of FLAG_RANGES or TRAINING_RANGES, and a training run with nothing to train."""
     problems = [f"--{flag} {getattr(args, flag)}: {why}" for flag in FLAG_RANGES
                 if (why := out_of_range(flag, getattr(args, flag)))]
+    for flag, (holds, requirement) in TRAINING_RANGES.items():
+        value = getattr(args, flag, None)
+        if value is not None and isinstance(value, (int, float)) and not isinstance(value, bool) and not holds(value):
+            problems.append(f"--{flag} {value:g}: {requirement}")
     if args.do_train and args.max_steps <= 0 and args.num_train_epochs <= 0:
         problems.append(f"--num_train_epochs {args.num_train_epochs} and --max_steps {args.max_steps}: nothing "
                         "to train; give a positive --num_train_epochs or --max_steps")
@@ -152,9 +189,17 @@ class ExtTrainingArguments(TrainingArguments):
         default=None, metadata={"help": "Copy every complete checkpoint here (any fsspec URL: s3://bucket/prefix, "
                                         "gs://..., a local path); start from the newest one when output_dir has none."}
     )
+    repeat_small_dataset: bool = field(
+        default=False, metadata={"help": "Train although one global batch is larger than the training data (each "
+                                         "step then repeats its samples); refused otherwise."}
+    )
     checkpoint_storage_options: str | None = field(
         default=None, metadata={"help": "fsspec options for --checkpoint_uri as JSON, e.g. "
                                         '\'{"endpoint_url": "http://127.0.0.1:9000"}\'.'}
+    )
+    checkpoint_dir: str | None = field(
+        default=None, metadata={"help": "Write checkpoints here and resume from here (default: output_dir; in a "
+                                        "SageMaker job, the folder synced with checkpoint_s3_uri)."}
     )
 
     def __new__(cls, *args, **kwargs):
@@ -165,7 +210,9 @@ class ExtTrainingArguments(TrainingArguments):
         return self
 
     def __post_init__(self):
+        check_rank_variables()  # leftover WORLD_SIZE/RANK without a launcher: seconds, not a wait for peers forever
         prepare_environment()
+        prepare_sagemaker(self)  # in a SageMaker job: where the model, checkpoints and logs go; nothing elsewhere
         if problems := flag_problems(self):  # what this machine cannot change; trainer-ext ds-config runs the same
             raise ArgumentsError("\n".join(problems))
         self.deepspeed_resolution = None  # set by the DeepSpeed backend: the config resolved against these flags
@@ -184,14 +231,16 @@ class ExtTrainingArguments(TrainingArguments):
         return decided if decided is not None else super().place_model_on_device
 
     def check_output_dir(self) -> None:
-        """--output_dir is a folder this process can write (or create), checked before any training."""
-        output = Path(self.output_dir) if self.output_dir else None
-        if output is not None and output.exists() and not output.is_dir():
-            raise ArgumentsError(f"--output_dir {output}: is a file, not a folder")
-        if output is not None:
-            existing = next(p for p in (output, *output.parents) if p.exists())
-            if not os.access(existing, os.W_OK | os.X_OK):
-                raise ArgumentsError(f"--output_dir {output}: {existing} is not writable")
+        """--output_dir (and --checkpoint_dir) is a folder this process can write (or create), checked before any
+        training."""
+        for flag in ("output_dir", "checkpoint_dir"):
+            output = Path(getattr(self, flag)) if getattr(self, flag) else None
+            if output is not None and output.exists() and not output.is_dir():
+                raise ArgumentsError(f"--{flag} {output}: is a file, not a folder")
+            if output is not None:
+                existing = next(p for p in (output, *output.parents) if p.exists())
+                if not os.access(existing, os.W_OK | os.X_OK):
+                    raise ArgumentsError(f"--{flag} {output}: {existing} is not writable")
 
     def check_paths(self) -> None:
         """What can be checked before the model is loaded (seconds to minutes on a big model): an explicit checkpoint
@@ -253,8 +302,13 @@ class ExtArgumentParser(HfArgumentParser):
                 given.add(action.dest)
         return frozenset(given)
 
+    def list_flags(self) -> set[str]:
+        """The option strings that take several words (nargs + or *)."""
+        return {option for action in self._actions if action.nargs in ("+", "*") for option in action.option_strings}
+
     def parse_known_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else list(args)  # with any .args file's words HfArgumentParser added
+        argv = spread_lists(argv, self.list_flags())  # a SageMaker list hyperparameter arrives as one word
         self.flags_given = self.flags_named(argv)
         return super().parse_known_args(argv, namespace)
 

@@ -106,6 +106,9 @@ def search(argv: list[str]) -> int:
     parser.add_argument("--max_trials", type=int, help="trials in the study (default: the file's, else 10)")
     parser.add_argument("--study_dir", help="folder of study.db and trial-N (default: the file's, else "
                                             "<output_dir>/search)")
+    parser.add_argument("--storage", help="the study's database as an SQLAlchemy URL, e.g. postgresql://user@host/db "
+                                          "(default: the file's, else SQLite in the study folder); every worker of a "
+                                          "study on several machines gives the same one")
     parser.add_argument("--keep_checkpoints", action="store_true", help="keep every trial's checkpoints and "
                                                                        "weights (default: the best trial's only)")
     parser.add_argument("--check", action="store_true", help="validate only: print the search and a trial's command")
@@ -119,7 +122,8 @@ def search(argv: list[str]) -> int:
 
     require_optuna()
     launcher = Launcher(args.launcher, args.nproc_per_node)
-    overrides = {"max_trials": args.max_trials, "parallel_trials": args.parallel_trials, "study_dir": args.study_dir}
+    overrides = {"max_trials": args.max_trials, "parallel_trials": args.parallel_trials, "study_dir": args.study_dir,
+                 "storage": args.storage}
     try:
         result = validate(args.experiment, flags, overrides)
     except KeyboardInterrupt:  # nothing started yet
@@ -142,7 +146,7 @@ def search(argv: list[str]) -> int:
               f"{settings.study_dir}/trial-N", "--FIELD VALUE ...")
         return 0
     return Search(settings, experiment, flags, launcher, args.keep_checkpoints, result["deepspeed"],
-                  result["checkpoint_uri"]).run()
+                  result["checkpoint_uri"], result["storage_options"]).run()
 
 
 def plan(argv: list[str]) -> int:

@@ -47,8 +47,9 @@ def report(err: BaseException, prog: str | None = None) -> None:
     before exiting, so the launcher does not stop the main process (seeing a rank fail) before it said why."""
     if main_process():
         prog = prog or os.path.basename(sys.argv[0] or "trainer_ext")
-        print(f"{prog}: error: {err}\n(nothing was trained or overwritten; {DEBUG_ENV}=1 shows where it was "
-              "raised)", file=sys.stderr, flush=True)
+        outcome = getattr(err, "outcome", "nothing was trained or overwritten")  # a later error may have saved work
+        print(f"{prog}: error: {err}\n({outcome}; {DEBUG_ENV}=1 shows where it was raised)", file=sys.stderr,
+              flush=True)
     else:
         time.sleep(QUIET_RANKS_WAIT_S)
 

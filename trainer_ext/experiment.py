@@ -36,7 +36,7 @@ TYPES = {"config_kwargs": dict | str | None, "tokenizer_kwargs": dict | str | No
 # Fields that hold a path: a relative one is relative to the experiment file's folder (cache_dir: in the
 # config/tokenizer/model keyword arguments; logging_dir: transformers 4).
 PATH_FIELDS = ("train_file", "validation_file", "test_file", "output_dir", "logging_dir", "resume_from_checkpoint",
-               "checkpoint_uri", "fsdp_config", "accelerator_config", "cache_dir")
+               "checkpoint_uri", "checkpoint_dir", "fsdp_config", "accelerator_config", "cache_dir")
 # Fields that hold a name (Hub model or dataset, DeepSpeed preset) or a path: the path beside the file when there is
 # one there (or the value starts with ./ or ../), else the name as written.
 NAME_OR_PATH_FIELDS = ("model_name_or_path", "tokenizer_name", "dataset_name", "deepspeed", "generation_config")

@@ -16,8 +16,15 @@ from transformers import TrainerCallback
 from .checkpoint import (AUTO, DATA_STATE, FRESH, MARKER, NEWEST, CheckpointError, CheckpointNotFoundError,
                          check_compatible, damage, newest_valid_checkpoint, problem_with, publish,
                          relaid_weights, resume_request, rotate, staging_dir, valid_checkpoints)
+from .sagemaker import checkpoints_to_keep
 
 logger = logging.getLogger(__name__)
+
+
+def checkpoint_folder(args) -> str:
+    """Where a run writes and resumes its checkpoints: --checkpoint_dir (set for a SageMaker job), else output_dir."""
+    return getattr(args, "checkpoint_dir", None) or args.output_dir
+
 
 class RunCheckpoints(TrainerCallback):
     """ExtTrainer's checkpoint policy. transformers writes each checkpoint into `<run dir>/.staging` (ExtTrainer's
@@ -44,9 +51,10 @@ class RunCheckpoints(TrainerCallback):
             self.remote.check()
 
     def clear_staging(self) -> None:
-        """Checkpoint halves a killed run left in output_dir/.staging (never published, so never resumed)."""
+        """Checkpoint halves a killed run left in the checkpoint folder's .staging (never published, so never resumed;
+        on SageMaker, S3's copy of one comes back with a spot restart)."""
         if self.args.should_save:
-            shutil.rmtree(staging_dir(self.args.output_dir), ignore_errors=True)
+            shutil.rmtree(staging_dir(checkpoint_folder(self.args)), ignore_errors=True)
 
     def to_resume(self, requested, fingerprint) -> str | None:
         """The checkpoint `train(resume_from_checkpoint=requested)` continues from; None: from scratch."""
@@ -57,18 +65,19 @@ class RunCheckpoints(TrainerCallback):
             found = self.newest_intact(earlier_processes=kind == AUTO)
             if found is None and self.remote is not None:
                 if self.args.should_save:
-                    self.remote.download_newest(self.args.output_dir)
+                    self.remote.download_newest(checkpoint_folder(self.args))
                 trainer.accelerator.wait_for_everyone()
                 found = self.newest_intact(earlier_processes=kind == AUTO)
             if found is None and kind == NEWEST:
                 raise CheckpointNotFoundError(
-                    f"No valid checkpoint found in output directory ({self.args.output_dir}): resume_from_checkpoint="
+                    f"No valid checkpoint found in output directory ({checkpoint_folder(self.args)}): "
+                    f"resume_from_checkpoint="
                     f"{requested!r} asks to resume, and there is no complete, intact checkpoint-N folder there"
                     + (f" or at {self.remote.uri}" if self.remote is not None else "")
                     + "; pass the folder of the run to resume, or leave resume_from_checkpoint unset to start (and "
                       "later resume) automatically")
             if trainer.is_world_process_zero() and not found:
-                logger.info("no complete checkpoint in %s: starting from scratch", self.args.output_dir)
+                logger.info("no complete checkpoint in %s: starting from scratch", checkpoint_folder(self.args))
             checkpoint = str(found) if found else None
         else:
             checkpoint = str(requested)
@@ -103,7 +112,7 @@ class RunCheckpoints(TrainerCallback):
         """The newest complete checkpoint whose files are all as written (sizes and checksums); with
         `earlier_processes`, only one that an earlier process wrote (a train() earlier in this process left it)."""
         return self.decided_by_main_process(lambda: newest_valid_checkpoint(
-            self.args.output_dir, checksums=True, earlier_processes=earlier_processes))
+            checkpoint_folder(self.args), checksums=True, earlier_processes=earlier_processes))
 
     def decided_by_main_process(self, decide):
         """`decide()` run once, by the main process (reading a checkpoint's files once, not once per rank), and its
@@ -148,7 +157,10 @@ class RunCheckpoints(TrainerCallback):
 
     # -- while training --------------------------------------------------------------------------------------------
     def stage(self, run_dir) -> str:
-        """Where transformers writes the next checkpoint of `run_dir`: its staging folder (published by on_save)."""
+        """Where transformers writes the next checkpoint of `run_dir`: its staging folder (published by on_save). The
+        run's own output_dir stands for its checkpoint folder (--checkpoint_dir; a SageMaker job's synced folder)."""
+        if os.path.abspath(run_dir) == os.path.abspath(self.args.output_dir):
+            run_dir = checkpoint_folder(self.args)
         self.run_dir = Path(run_dir)
         return str(staging_dir(run_dir))
 
@@ -180,7 +192,7 @@ class RunCheckpoints(TrainerCallback):
         final = publish(staged, run_dir, {"step": state.global_step, "world_size": self.args.world_size,
                                           "backend": trainer.backend.describe(),
                                           "model": trainer.backend.model_fingerprint(module)})
-        deleted = rotate(run_dir, self.args.save_total_limit,
+        deleted = rotate(run_dir, checkpoints_to_keep(self.args.save_total_limit),
                          keep=Path(state.best_model_checkpoint) if state.best_model_checkpoint else None)
         if self.remote is not None:  # in the background: the next step does not wait for the copy
             self.remote.upload(final)

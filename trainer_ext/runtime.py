@@ -52,6 +52,39 @@ def share_cores_between_cpu_ranks() -> int | None:
     return threads
 
 
+# Variables only a launcher or a cluster's scheduler sets: with one of them the rank variables are the job's own.
+LAUNCHER_VARIABLES = (
+    "TORCHELASTIC_RUN_ID",  # torchrun, python -m torch.distributed.launch, accelerate launch
+    "CROSS_RANK", "LOCAL_SIZE",  # the deepspeed launcher
+    "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE",  # mpirun (Open MPI, MPICH, MVAPICH)
+    "SLURM_PROCID",  # srun
+    "KUBERNETES_SERVICE_HOST",  # a Kubernetes pod: PyTorchJob gives each pod its rank variables, no launcher
+    "SM_CURRENT_HOST",  # SageMaker
+    "TRAINER_EXT_RANKS_BY_HAND",  # the user starts every rank with the variables set, on purpose
+)
+RANK_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def rank_variables_problem() -> str | None:
+    """WORLD_SIZE > 1 in a process no launcher started (left over in a shell, a .env file, a notebook): it would wait
+    for peers that never come, printing nothing, until the rendezvous times out (30 min). One line instead."""
+    world = world_size_from_environment()
+    if world is None or world <= 1 or any(key in os.environ for key in LAUNCHER_VARIABLES):
+        return None
+    given = " ".join(f"{key}={os.environ[key]}" for key in RANK_VARIABLES if key in os.environ)
+    present = " ".join(key for key in RANK_VARIABLES if key in os.environ)
+    return (f"{given} are set but no launcher started this process: it would wait forever for {world - 1} other "
+            f"rank(s). For one process: unset {present}; for {world} ranks: start them with a launcher (torchrun "
+            f"--nproc_per_node {world} ..., deepspeed --num_gpus {world} ...); if you start each rank yourself, set "
+            "TRAINER_EXT_RANKS_BY_HAND=1")
+
+
+def check_rank_variables() -> None:
+    problem = rank_variables_problem()
+    if problem:
+        raise UserError(problem)
+
+
 def launch_one_rank_without_launcher() -> bool:
     """`python script.py ...` with no launcher, for a backend whose engine needs a process group even on one process:
     give this process the variables a launcher would give a 1-rank job. Returns True when it set them."""

@@ -18,13 +18,17 @@ from . import progress
 from .backends import prepare_environment, select_backend
 from .checkpoint import AUTO, newest_valid_checkpoint, read_data_state, resume_request
 from .data.loader import dataloader_with_batch_sampler, stream_dataloader
-from .data.samplers import ResumableBatchSampler
+from .data.samplers import ResumableBatchSampler, check_global_batch
 from .data.stream import TrainingStream, is_stream
 from .errors import UserError, install_excepthook
+from .metrics_check import checked_compute_metrics
+from .output_dir import hold_output_dir, release_output_dir
 from .preemption import Preempted, PreemptionCallback
 from .private_hooks import PrivateTrainerHooks
 from .run_checkpoints import RunCheckpoints
+from .run_checkpoints import checkpoint_folder
 from .runtime import check_process_group, release_at_exit, share_cores_between_cpu_ranks
+from .sagemaker import prepare_arguments as prepare_sagemaker
 from .search.callback import trial_callback
 from .settings import OptimizerSettings, SchedulerSettings
 
@@ -49,6 +53,8 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                  scheduler_settings: SchedulerSettings | None = None, **kwargs):
         install_excepthook()
         prepare_environment()  # plain TrainingArguments did not
+        if args is not None:
+            prepare_sagemaker(args)  # plain TrainingArguments in a SageMaker job: model, checkpoints, logs placed
         self.backend = select_backend(args)
         if args is not None:
             self.backend.check(args)
@@ -75,6 +81,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         for callback in self.backend.callbacks(self):
             self.add_callback(callback)
         self.training_already_complete = None  # the checkpoint a re-run found complete (train() then trains nothing)
+        self.compute_metrics = checked_compute_metrics(self)  # not a dict of numbers: one line, progress saved
         self.preemption = PreemptionCallback()
         self.add_callback(self.preemption)
         self.search_trial = trial_callback()  # inside `trainer-ext search`: evaluations reach the study's pruner
@@ -208,6 +215,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                     logger.warning("resuming: %s", how)
             dataloader = stream_dataloader(self, order)
         else:
+            check_global_batch(args, len(self.train_dataset), args.world_size)  # never the data repeated unasked
             order = ResumableBatchSampler(
                 len(self.train_dataset), self._train_batch_size, seed=args.data_seed if args.data_seed is not None
                 else args.seed, drop_last=args.dataloader_drop_last, **shape)
@@ -256,6 +264,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         error when there is none), False none, a path that one. A SIGTERM/SIGINT ends the run after a checkpoint,
         with `Preempted` (exit status 128 + signal); running the same command again continues exactly."""
         self.training_already_complete, self._resume, self._learning_rate_in_use = None, None, None
+        hold_output_dir(self)  # not the model's own folder, and no other run writing there (output_dir.py)
         self.checkpoints.open_remote()
         self.checkpoints.clear_staging()
         # No model yet: model_init builds it inside train() (hyperparameter_search drops it between trials).
@@ -278,11 +287,14 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self.preemption.install()
         try:
             result = super().train(resume_from_checkpoint=checkpoint, **kwargs)
+        except BaseException:
+            release_output_dir(self)  # a failed run leaves output_dir to the next one at once
+            raise
         finally:
             self.preemption.uninstall()
             self.checkpoints.wait()  # a preempted run's last checkpoint too
         if self.preemption.signum:
-            saved = newest_valid_checkpoint(self.args.output_dir)
+            saved = newest_valid_checkpoint(checkpoint_folder(self.args))
             logger.warning("preempted: checkpoint %s written; run the same command again to resume", saved)
             raise Preempted(self.preemption.signum, saved)
         if self.search_trial is not None:

@@ -40,7 +40,10 @@ class FairScaleBackend(Backend):
     def prepare_arguments(cls, args) -> None:
         import torch
 
+        from ..runtime import launch_one_rank_without_launcher
+
         check_machine(args.sharded_ddp, torch.cuda.is_available(), bool(args.fp16 or args.bf16))
+        launch_one_rank_without_launcher()  # `python script.py --sharded_ddp simple`: one rank, as --deepspeed does
 
     @classmethod
     def places_model_on_device(cls, args) -> bool | None:

@@ -98,6 +98,16 @@ NESTED_HOME: dict[str, str] = {
     **{key: "scheduler.params" for key in _SCHEDULER_PARAM_KEYS},
 }
 
+# optimizer.type values DeepSpeed 0.19 builds: its own (any case; deepspeed/runtime/config.py DEEPSPEED_OPTIMIZERS) or a
+# torch.optim class by its exact name (engine._is_supported_optimizer); tests/test_key_tables.py checks both lists.
+DEEPSPEED_OPTIMIZER_NAMES = ("Adagrad", "Adam", "AdamW", "Lamb", "MuAdam", "MuAdamW", "MuSGD", "Lion", "Muon")
+DEEPSPEED_OPTIMIZERS = frozenset(name.lower() for name in DEEPSPEED_OPTIMIZER_NAMES)
+TORCH_OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "Muon", "NAdam",
+                    "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam")
+# What ZeRO builds without zero_allow_untested_optimizer (deepspeed/runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS:
+# torch's Adam/AdamW/Adagrad and DeepSpeed's fused/CPU versions of adam, adagrad and lion).
+ZERO_TESTED_OPTIMIZERS = frozenset({"adam", "adamw", "adagrad", "lion"})
+
 DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 # transformers scheduler type -> the DeepSpeed scheduler class of the same shape.
 SCHEDULER_FOR_TYPE = {

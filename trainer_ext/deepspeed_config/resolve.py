@@ -12,10 +12,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from .keys import (AUTO, DEEPSPEED_SCHEDULERS, FLAG_DEFAULTS, FP16_BLOCK_DEFAULTS, H100_RUN, HIDDEN_SIZE_AUTO,
-                   INTEGER_TEXT, KNOWN_TOP_LEVEL_KEYS, NESTED_HOME, NUMBER_TEXT, REMOVED_TOP_LEVEL_KEYS,
-                   SCHEDULER_FOR_TYPE, SECTION_KEYS, STAGE3_ALIASES, STAGE3_ONLY_KEYS, STRING_KEYS, TUNED_ZERO,
-                   ZERO2_DEFAULTS, ZERO3_COST, ZERO3_DEFAULTS, ZERO_AUTO_FALLBACK, out_of_range)
+from .keys import (AUTO, DEEPSPEED_OPTIMIZER_NAMES, DEEPSPEED_OPTIMIZERS, DEEPSPEED_SCHEDULERS, FLAG_DEFAULTS,
+                   FP16_BLOCK_DEFAULTS, H100_RUN, HIDDEN_SIZE_AUTO, INTEGER_TEXT, KNOWN_TOP_LEVEL_KEYS, NESTED_HOME,
+                   NUMBER_TEXT, REMOVED_TOP_LEVEL_KEYS, SCHEDULER_FOR_TYPE, SECTION_KEYS, STAGE3_ALIASES,
+                   STAGE3_ONLY_KEYS, STRING_KEYS, TORCH_OPTIMIZERS, TUNED_ZERO, ZERO2_DEFAULTS, ZERO3_COST,
+                   ZERO3_DEFAULTS, ZERO_AUTO_FALLBACK, ZERO_TESTED_OPTIMIZERS, out_of_range)
 from ..errors import closest
 from ..runtime import world_size_from_environment
 from ..settings import warmup_steps
@@ -197,6 +198,7 @@ class _Resolver:
         self.optimizer()
         self.scheduler()
         self.zero()
+        self.untested_optimizer()
         self.precision_safety()
         self.leftover_auto()
         if self.problems:
@@ -292,6 +294,10 @@ class _Resolver:
         if fp16 and backend == "apex":
             self.problems.append("--fp16_backend apex: DeepSpeed 0.19 removed Apex AMP (an \"amp\" block is "
                                  "rejected); use --fp16_backend amp (DeepSpeed's own fp16) or --bf16")
+        if fp16 and getattr(self.args, "use_cpu", False) and not self.flag("fp16"):  # --fp16 --use_cpu: flag_problems
+            self.problems.append("fp16 needs a CUDA device and --use_cpu trains on the CPU — fp16 comes from the "
+                                 "DeepSpeed file's fp16.enabled: set it to \"auto\" (or use --deepspeed zero2_minimal),"
+                                 " or use --bf16")
         if fp16:
             block = self.config.setdefault("fp16", {})
             for key, default in FP16_BLOCK_DEFAULTS.items():
@@ -382,6 +388,9 @@ class _Resolver:
             self.problems.append('optimizer must be an object with a "type" string, e.g. {"type": "AdamW", '
                                  f'"params": {{...}}}}; got {json.dumps(optimizer)}')
             return
+        problem = optimizer_type_problem(optimizer["type"])
+        if problem:
+            self.problems.append(problem)
         params = optimizer.setdefault("params", {})
         adam_like = any(word in optimizer["type"].lower() for word in ("adam", "lamb", "lion"))
         self.reconcile("optimizer.params.lr", "learning_rate")
@@ -390,6 +399,19 @@ class _Resolver:
         if adam_like or "eps" in params:
             self.reconcile("optimizer.params.eps", "adam_epsilon")
         self.reconcile("optimizer.params.weight_decay", "weight_decay")
+
+    def untested_optimizer(self):
+        """ZeRO refuses an optimizer it was not tested with (torch's SGD, ...) unless the file allows it."""
+        optimizer, zero = self.config.get("optimizer"), self.config.get("zero_optimization")
+        name = optimizer.get("type") if isinstance(optimizer, dict) else None
+        stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+        allowed = self.config.get("zero_allow_untested_optimizer") is True
+        tested = isinstance(name, str) and name.lower() in ZERO_TESTED_OPTIMIZERS
+        if (isinstance(name, str) and optimizer_type_problem(name) is None and not tested
+                and isinstance(stage, int) and stage > 0 and not allowed):
+            self.problems.append(f"optimizer.type {json.dumps(name)} under ZeRO stage {stage}: DeepSpeed refuses an "
+                                 "optimizer it did not test with ZeRO unless the file sets "
+                                 "\"zero_allow_untested_optimizer\": true (add it, or use AdamW)")
 
     def reconcile_betas(self):
         path = "optimizer.params.betas"
@@ -644,6 +666,16 @@ def _show(value) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- public API
+
+def optimizer_type_problem(name: str) -> str | None:
+    """An optimizer.type DeepSpeed cannot build: it asserts when the engine starts, after the model is loaded."""
+    if name.lower() in DEEPSPEED_OPTIMIZERS or name in TORCH_OPTIMIZERS:
+        return None
+    hint = closest(name, [*DEEPSPEED_OPTIMIZER_NAMES, *TORCH_OPTIMIZERS])
+    return (f"optimizer.type {json.dumps(name)} is not an optimizer DeepSpeed builds: "
+            + (f"did you mean {hint!r}? " if hint else "")
+            + f"(DeepSpeed's: {', '.join(DEEPSPEED_OPTIMIZER_NAMES)}; torch.optim's: {', '.join(TORCH_OPTIMIZERS)})")
+
 
 def resolve_deepspeed_config(args: Any, config: Any = None, world_size: int | None = None,
                              num_training_steps: int | None = None, hidden_size: int | None = None,

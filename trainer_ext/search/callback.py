@@ -1,6 +1,8 @@
 """Inside a trial of `trainer-ext search`: after each evaluation during training, rank 0 reports the metric to the
-study and asks the pruner; every rank follows its answer, so a pruned trial saves a checkpoint on all ranks and
-stops. ExtTrainer adds this callback when the search set TRIAL_ENV: experiment files and scripts need nothing."""
+study at the number of training samples seen so far (not steps: trials with other batch sizes are compared at the same
+amount of data) and asks the pruner; every rank follows its answer, so a pruned trial saves a checkpoint on all ranks
+and stops. Under successive halving and Hyperband with min_resource given, an evaluation also runs at the first step
+that reaches each rung's sample count. ExtTrainer adds this callback when the search set TRIAL_ENV: experiment files and scripts need nothing."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from ..preemption import max_over_ranks
 from . import PRUNED_ATTR, PRUNED_STATUS, TRIAL_ENV
 
 logger = logging.getLogger(__name__)
+# Optuna's defaults for the rung pruners' (reduction_factor, min_early_stopping_rate).
+RUNG_DEFAULTS = {"successive_halving": (4, 0), "hyperband": (3, 0)}
 
 
 class TrialPruned(SystemExit):
@@ -35,11 +39,21 @@ class SearchTrialCallback(TrainerCallback):
         self.spec = spec
         self.training = False  # evaluations before and after training are not intermediate values
         self.pruned_at = None
+        self.rungs = rungs(spec.get("pruner") or {})
         self._trial = None
         self._said_missing = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.training = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Evaluate at the first step that reaches a rung's sample count (the pruner decides there)."""
+        if self.rungs:
+            batch = samples_per_step(args)
+            before, now = (state.global_step - 1) * batch, state.global_step * batch
+            if any(before < rung <= now for rung in self.rungs(now)):
+                control.should_evaluate = True
+        return control
 
     def on_train_end(self, args, state, control, **kwargs):
         self.training = False
@@ -47,14 +61,14 @@ class SearchTrialCallback(TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if not self.training:
             return control
-        prune = self._report(state, metrics or {}) if state.is_world_process_zero else False
+        prune = self._report(args, state, metrics or {}) if state.is_world_process_zero else False
         if max_over_ranks(prune, args.device) > 0:
             self.pruned_at = state.global_step
             control.should_save = True
             control.should_training_stop = True
         return control
 
-    def _report(self, state, metrics: dict) -> bool:
+    def _report(self, args, state, metrics: dict) -> bool:
         """Rank 0: record this evaluation in the study; True when the pruner stops the trial here."""
         metric, value = self.spec["metric"], metrics.get(self.spec["metric"])
         if value is None:
@@ -68,14 +82,40 @@ class SearchTrialCallback(TrainerCallback):
 
             self._trial = running_trial(self.spec["storage"], self.spec["study_name"], self.spec["trial"],
                                         self.spec["pruner"])
-        self._trial.report(float(value), state.global_step)
+        samples = state.global_step * samples_per_step(args)
+        self._trial.report(float(value), samples)
         if state.global_step >= state.max_steps or not self._trial.should_prune():
             return False
         self._trial.set_user_attr(PRUNED_ATTR, state.global_step)
-        print(f"trainer_ext: search trial {self.spec['number']} pruned at step {state.global_step} ({metric} "
-              f"{value:.4g}): saving a checkpoint and stopping", flush=True)
+        print(f"trainer_ext: search trial {self.spec['number']} pruned at step {state.global_step}, {samples} samples "
+              f"({metric} {value:.4g}): saving a checkpoint and stopping", flush=True)
         return True
 
     def stop_if_pruned(self) -> None:
         if self.pruned_at is not None:
             raise TrialPruned(self.pruned_at)
+
+
+def samples_per_step(args) -> int:
+    """Training samples in one optimizer step over all ranks: the unit of the pruner's budget."""
+    return args.train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
+
+
+def rungs(pruner: dict):
+    """The sample counts at which a successive halving or Hyperband pruner given min_resource (in samples) compares
+    trials, as a function of the samples trained so far (the rungs up to there); None for other pruners and without
+    min_resource (Optuna's 1 sample, or auto: the pruner then decides at the regular evaluations)."""
+    if pruner.get("type") not in RUNG_DEFAULTS or pruner.get("min_resource", "auto") == "auto":
+        return None
+    factor, rate = RUNG_DEFAULTS[pruner["type"]]
+    factor, rate = float(pruner.get("reduction_factor", factor)), int(pruner.get("min_early_stopping_rate", rate))
+    first = float(pruner["min_resource"]) * factor ** rate
+
+    def up_to(samples: int) -> list[float]:
+        found, rung = [], first
+        while rung <= samples:
+            found.append(rung)
+            rung *= factor
+        return found
+
+    return up_to

@@ -17,12 +17,13 @@ from .space import BACKEND, SearchSettings, flag_word, read_search, trial_flags
 
 def check(experiment_path: str, flags: list[str], overrides: dict) -> dict:
     """-> {"problems": [...], "warnings": [...], "settings": SearchSettings as a dict or None, "deepspeed": the
-    experiment's DeepSpeed config as given, "checkpoint_uri": the experiment's}."""
+    experiment's DeepSpeed config as given, "checkpoint_uri" and "storage_options": the experiment's}."""
     from ..deepspeed_config import DeepSpeedConfigError
     from ..experiment import TASKS, ExperimentError, argument_classes, flag_types, load_experiment, read
 
     problems: list[str] = []
-    result = {"problems": problems, "warnings": [], "settings": None, "deepspeed": None, "checkpoint_uri": None}
+    result = {"problems": problems, "warnings": [], "settings": None, "deepspeed": None, "checkpoint_uri": None,
+              "storage_options": None}
     experiment = None
     try:
         experiment = load_experiment(experiment_path, flags)
@@ -57,8 +58,11 @@ def check(experiment_path: str, flags: list[str], overrides: dict) -> dict:
     settings.study_dir = os.path.abspath(settings.study_dir)  # trials and the SQLite URL do not depend on a folder
     _resolve_paths(settings, folder)
     problems += _requirements(settings, experiment, flags, f"{name}: ", result["warnings"])
-    result.update(deepspeed=given.get("deepspeed"), checkpoint_uri=given.get("checkpoint_uri"))
+    database = _database(settings, f"{name}: ", result["warnings"])  # said last, after the values' problems
+    result.update(deepspeed=given.get("deepspeed"), checkpoint_uri=given.get("checkpoint_uri"),
+                  storage_options=getattr(experiment.training_args, "checkpoint_storage_options", None) or None)
     if problems:
+        problems += database
         return result
     for key, param in settings.space.items():
         for value in param.values_to_check():
@@ -71,6 +75,7 @@ def check(experiment_path: str, flags: list[str], overrides: dict) -> dict:
                 load_experiment(experiment_path, argv)
             except (ExperimentError, DeepSpeedConfigError) as err:
                 problems += [f"{name}: search.space: {key} = {flag_word(value)}: {line}" for line in _lines(err, name)]
+    problems += database
     result["settings"] = settings.to_dict()
     return result
 
@@ -95,6 +100,22 @@ def _resolve_paths(settings: SearchSettings, folder) -> None:
         if key in PATH_FIELDS + NAME_OR_PATH_FIELDS and param.choices:
             param.choices = [with_paths({key: choice}, folder)[key] if isinstance(choice, str) else choice
                              for choice in param.choices]
+
+
+def _database(settings: SearchSettings, name: str, warnings: list[str]) -> list[str]:
+    """A storage URL this machine can open (its driver installed), and one that keeps workers apart."""
+    if not settings.storage:
+        return []
+    from .study import driver_problem, shown
+    from .workers import supports_workers
+
+    problem = driver_problem(settings.storage)
+    if problem:
+        return [f"{name}search: storage: {shown(settings.storage)}: {problem}"]
+    if not supports_workers(settings.storage):
+        warnings.append(f"search.storage: {shown(settings.storage)}: trainer-ext search keeps several workers apart "
+                        "on PostgreSQL, MySQL and SQLite only: run one worker on this study")
+    return []
 
 
 def _requirements(settings: SearchSettings, experiment, flags: list[str], name: str, warnings: list[str]) -> list[str]:

@@ -1,7 +1,9 @@
-"""The search loop: start trials up to parallel_trials at a time until the study holds max_trials, continue the ones a
-stopped or killed search left RUNNING (same values, same output_dir, so the trial's checkpoint continues it), record
-each trial as COMPLETE, PRUNED or FAIL and never run a finished one again. SIGTERM/SIGINT stop the running trials at a
-checkpoint and leave them to the next run of the same command; a second SIGINT kills them."""
+"""The search loop of one worker: start trials up to parallel_trials at a time until the study holds max_trials, take
+over the RUNNING trials whose worker is gone (a stopped or killed search on this machine, or another machine's worker
+whose heartbeat stopped: same values, from the newest checkpoint within reach), record each trial as COMPLETE, PRUNED
+or FAIL and never run a finished one again, and wait for the other workers' trials before the final report.
+SIGTERM/SIGINT stop the running trials at a checkpoint and leave them to another worker or to the next run of the same
+command; a second SIGINT kills them."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ import time
 from pathlib import Path
 
 from . import PRUNED_ATTR, TRIAL_ENV
+from .copies import fetch_checkpoint, upload_model
 from .launch import Launcher, device_slots, group_gone, start, stop, stop_and_wait, trial_environment
 from .report import keep_best, short, trial_outcome, write
 from .space import SearchSettings, trial_flags
-from .study import alive, open_study, storage, this_process, trial_id, with_sampler
+from .study import open_study, shown, storage, trial_id, with_sampler
+from ..processes import alive, same_process, this_process
+from .workers import STOPPED, Heartbeat, StudyLock, Watch, this_worker
 
 POLL_S = 0.5
 FAILURES_IN_A_ROW = 3  # then the search stops starting trials: the experiment itself is likely broken
@@ -32,19 +37,26 @@ class Trial:
     process: object = None
     started: float = 0.0
     exited: float = 0.0
+    lost: bool = False  # another worker took it over while this one ran it
 
 
 class Search:
     def __init__(self, settings: SearchSettings, experiment: str, flags: list[str], launcher: Launcher,
-                 keep_checkpoints: bool = False, deepspeed=None, checkpoint_uri: str | None = None):
+                 keep_checkpoints: bool = False, deepspeed=None, checkpoint_uri: str | None = None,
+                 storage_options: dict | None = None):
         self.settings, self.experiment, self.flags, self.launcher = settings, experiment, flags, launcher
         self.keep_checkpoints, self.deepspeed, self.checkpoint_uri = keep_checkpoints, deepspeed, checkpoint_uri
+        self.storage_options = storage_options  # --checkpoint_storage_options, to reach the remote copies
         self.study_dir = Path(settings.study_dir)
-        self.me = this_process()
+        self.me = this_worker(self.study_dir)
         self.stopping = 0  # the signal that stops the search
         self.failures = 0
         self.running: dict[int, Trial] = {}
-        self.study = self.database = None
+        self.study = self.database = self.heartbeat = None
+        self.lock = StudyLock(settings.storage_url, settings.study_name)
+        self.watch = Watch(self.me, settings.grace_period)
+        self.waiting_for: set[int] = set()  # other workers' trials this worker said it waits for
+        self.removed: set[str] = set()  # remote copies of finished trials removed
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -54,38 +66,70 @@ class Search:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-        keep_best(self.study, self.study_dir, self.keep_checkpoints)
-        print("\n" + write(self.study, self.settings, self.study_dir, plots=True), flush=True)
+            self._leave()
+        self._keep_best()
+        print("\n" + write(self.study, self.settings, self.study_dir, self.me, plots=True), flush=True)
         if self.stopping:
             print(f"trainer-ext search: stopped by {signal.Signals(self.stopping).name}; run the same command to "
-                  "continue the study (interrupted trials resume from their checkpoints)", flush=True)
+                  "continue the study (interrupted trials resume from their checkpoints, here or on another worker of "
+                  "the study)", flush=True)
             return 128 + self.stopping
         return 1 if self.failures >= FAILURES_IN_A_ROW else 0
 
     def _loop(self) -> None:
         self.study_dir.mkdir(parents=True, exist_ok=True)
-        self.database = storage(self.settings.storage_url)
-        self.study = open_study(self.settings, self.database)
+        with self.lock:  # workers starting together create the tables and the study once
+            self.database = storage(self.settings.storage_url)
+            self.study = open_study(self.settings, self.database)
+        self.heartbeat = Heartbeat(self.database, self.me, self.settings.heartbeat_interval)
+        self.heartbeat.start()
         slots = device_slots(self.settings.parallel_trials, self.launcher)
-        waiting = self._left_running()
         free = list(range(self.settings.parallel_trials))
+        waiting: list[Trial] = []
+        next_look = 0.0
         while True:
+            # Other workers' trials: is their worker gone? Looked at on each heartbeat, and before asking a new trial.
+            if not self.stopping and (free or time.monotonic() >= next_look):
+                next_look = time.monotonic() + self.settings.heartbeat_interval
+                waiting += self._take_over(len(free) - len(waiting))
             while free and not self.stopping:
                 trial = waiting.pop(0) if waiting else self._new_trial()
                 if trial is None:
                     break
                 trial.slot = free.pop(0)
                 self._start(trial, slots[trial.slot])
-            if not self.running:
-                return
+            if not self.running and (self.stopping or not waiting and self._finished()):
+                return  # trials taken and not started stay RUNNING: _leave() hands them on
             time.sleep(POLL_S)
+            for trial in self.running.values():
+                if trial.id in self.heartbeat.lost and not trial.lost:
+                    trial.lost = True
+                    print(f"trial {trial.number}: another worker took it over (this one looked dead to it): stopping "
+                          "this run at a checkpoint, not recording it", flush=True)
+                    stop(trial.process.pid)
             for trial in [trial for trial in self.running.values() if self._ended(trial)]:
                 del self.running[trial.number]
                 free.append(trial.slot)
-                if self._record(trial):
+                if not trial.lost and self._record(trial):
                     waiting.append(trial)
-                keep_best(self.study, self.study_dir, self.keep_checkpoints)
-                write(self.study, self.settings, self.study_dir, plots=False)
+                self._keep_best()
+                write(self.study, self.settings, self.study_dir, self.me, plots=False)
+
+    def _finished(self) -> bool:
+        """Nothing left for this worker: stopped, too many failures, or no trial to ask and none running elsewhere
+        (while other workers run trials, this one waits: if their worker dies, it takes them over)."""
+        from optuna.trial import TrialState
+
+        if self.stopping or self.failures >= FAILURES_IN_A_ROW:
+            return True
+        elsewhere = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        for frozen in elsewhere:
+            if frozen.number not in self.waiting_for:
+                self.waiting_for.add(frozen.number)
+                owner = frozen.user_attrs.get("owner") or {}
+                print(f"trial {frozen.number}: running on {owner.get('host')} (pid {owner.get('pid')}); waiting for it "
+                      "to finish, or to take it over if its worker dies", flush=True)
+        return not elsewhere
 
     def _ended(self, trial: Trial) -> bool:
         """The trial's guard has exited and so has every process it started; a straggler is killed after a while."""
@@ -106,53 +150,95 @@ class Search:
             "stopping the running trials at a checkpoint (Ctrl-C again kills them)"), flush=True)
 
     # -- trials --------------------------------------------------------------------------------------------
-    def _left_running(self) -> list[Trial]:
-        """RUNNING trials whose search is gone: stop what is left of their processes, then continue them."""
+    def _take_over(self, room: int) -> list[Trial]:
+        """Up to `room` RUNNING trials whose worker is gone, now this worker's: what is left of their processes on this
+        machine stopped, their newest reachable checkpoint fetched, to continue with the same values."""
         from optuna.trial import TrialState
 
-        resumable = []
+        gone = {}
         for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            owner = frozen.user_attrs.get("owner")
-            owner_alive = alive(owner)
-            if owner_alive is None or (owner_alive and owner["pid"] != self.me["pid"]):
-                where = owner["host"] if owner_alive is None else f"the search with pid {owner['pid']}"
-                print(f"trial {frozen.number}: running in {where}; left to it", flush=True)
-                continue
-            process = frozen.user_attrs.get("process")
-            if process and alive(process):
-                print(f"trial {frozen.number}: still running from the last search; stopping it at a checkpoint",
-                      flush=True)
-                stop_and_wait(process["pid"])
-            self._count_lost_run(frozen)
-            if PRUNED_ATTR in frozen.user_attrs:
-                self.study.tell(frozen.number, state=TrialState.PRUNED)
-                continue
-            resumable.append(Trial(frozen.number, trial_id(frozen), dict(frozen.params)))
-        return resumable
+            reason = None if frozen.number in self.running else self.watch.gone(frozen)
+            if reason:
+                gone[frozen.number] = (frozen, reason)
+        taken = []
+        for frozen, reason in list(gone.values())[:max(0, room)]:
+            with self.lock:  # another worker may have taken it meanwhile
+                now = self.database.get_trial(trial_id(frozen))
+                if now.state != TrialState.RUNNING or now.user_attrs.get("owner") != frozen.user_attrs.get("owner") \
+                        or now.user_attrs.get("heartbeat") != frozen.user_attrs.get("heartbeat"):
+                    continue
+                self.database.set_trial_user_attr(trial_id(now), "owner", self.me)
+            self.heartbeat.own(trial_id(now), now.user_attrs.get("heartbeat"))
+            trial = self._continue(now, reason)
+            if trial is not None:
+                taken.append(trial)
+        return taken
+
+    def _continue(self, frozen, reason: str) -> Trial | None:
+        """A trial this worker just took: its last run's processes stopped if they are on this machine, a pruned
+        verdict recorded, otherwise the newest checkpoint within reach fetched into this worker's trial folder."""
+        from optuna.trial import TrialState
+
+        attrs, owner = frozen.user_attrs, frozen.user_attrs.get("owner") or {}
+        process = attrs.get("process")
+        if process and alive(process):
+            print(f"trial {frozen.number}: still running from the last search; stopping it at a checkpoint",
+                  flush=True)
+            stop_and_wait(process["pid"])
+        self._count_lost_run(frozen)
+        if PRUNED_ATTR in attrs:
+            self.study.tell(frozen.number, state=TrialState.PRUNED)
+            self.heartbeat.drop(trial_id(frozen))
+            return None
+        trial_dir = self.study_dir / f"trial-{frozen.number}"
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        moved = bool(attrs.get("trial_dir")) and Path(attrs["trial_dir"]) != trial_dir
+        if moved:
+            self.database.set_trial_user_attr(trial_id(frozen), "takeovers", attrs.get("takeovers", 0) + 1)
+        try:
+            where = fetch_checkpoint(attrs, trial_dir, self.me, self.storage_options)
+        except Exception as err:  # noqa: BLE001 - an unreachable copy: the trial's own folder is what is left
+            where = f"continues without the remote copy ({type(err).__name__}: {err})"
+        if moved or owner.get("host") != self.me["host"]:
+            print(f"trial {frozen.number}: taken over from {owner.get('host')}:{attrs.get('trial_dir')} ({reason}); "
+                  f"it {where}", flush=True)
+        return Trial(frozen.number, trial_id(frozen), dict(frozen.params))
 
     def _new_trial(self) -> Trial | None:
-        count = len(self.study.get_trials(deepcopy=False))
-        if count >= self.settings.max_trials or self.failures >= FAILURES_IN_A_ROW:
+        """A new trial, owned by this worker from the moment it exists; None when the study holds max_trials (counted
+        and asked under the lock: workers together ask exactly max_trials)."""
+        if self.failures >= FAILURES_IN_A_ROW:
             return None
-        distributions = {name: param.distribution() for name, param in self.settings.space.items()}
-        trial = with_sampler(self.database, self.settings, count).ask(distributions)
+        with self.lock:
+            count = len(self.study.get_trials(deepcopy=False))
+            if count >= self.settings.max_trials:
+                return None
+            distributions = {name: param.distribution() for name, param in self.settings.space.items()}
+            trial = with_sampler(self.database, self.settings, count).ask(distributions)
+            self.database.set_trial_user_attr(trial_id(trial), "owner", self.me)
+        self.heartbeat.own(trial_id(trial), 0)
         return Trial(trial.number, trial_id(trial), dict(trial.params))
 
     def _start(self, trial: Trial, devices) -> None:
         trial_dir = self.study_dir / f"trial-{trial.number}"
         trial_dir.mkdir(parents=True, exist_ok=True)
+        attrs = self.database.get_trial(trial.id).user_attrs
         flags = [*self.flags, "--output_dir", str(trial_dir), *trial_flags(trial.params, self.deepspeed)]
-        if self.checkpoint_uri:
-            flags += ["--checkpoint_uri", f"{self.checkpoint_uri.rstrip('/')}/trial-{trial.number}"]
+        remote = attrs.get("checkpoint_uri") or (self.checkpoint_uri and
+                                                  f"{self.checkpoint_uri.rstrip('/')}/trial-{trial.number}")
+        if remote:  # the copy other workers continue the trial from: the first run's, whatever this worker's flags
+            flags += ["--checkpoint_uri", remote]
         command = [*self.launcher.command(devices), "train", self.experiment, *flags]
         spec = {"storage": self.settings.storage_url, "study_name": self.settings.study_name, "trial": trial.id,
                 "number": trial.number, "metric": self.settings.metric, "pruner": self.settings.pruner}
         env = trial_environment({TRIAL_ENV: json.dumps(spec)}, devices, self.launcher, self.settings.parallel_trials)
-        runs = self.database.get_trial(trial.id).user_attrs.get("runs", 0)
+        runs = attrs.get("runs", 0)
         with open(trial_dir / "trial.log", "a") as log:
-            log.write(f"\n=== trainer-ext search: trial {trial.number}, run {runs + 1}, {time.ctime()}\n"
-                      f"=== {' '.join(command)}\n")
-        for key, value in (("owner", self.me), ("runs", runs + 1), ("run_started", time.time())):
+            log.write(f"\n=== trainer-ext search: trial {trial.number}, run {runs + 1}, {self.me['host']}, "
+                      f"{time.ctime()}\n=== {' '.join(command)}\n")
+        history = [*attrs.get("history", []), [self.me["host"], time.time(), None]]  # host, start, end of each run
+        for key, value in (("runs", runs + 1), ("run_started", time.time()), ("trial_dir", str(trial_dir)),
+                           ("history", history), ("checkpoint_uri", remote)):
             self.database.set_trial_user_attr(trial.id, key, value)
         trial.process, trial.started = start(command, env, trial_dir / "trial.log"), time.monotonic()
         self.database.set_trial_user_attr(trial.id, "process", this_process(trial.process.pid))
@@ -162,13 +248,43 @@ class Search:
               flush=True)
 
     def _count_lost_run(self, frozen) -> None:
-        """A run whose search died never recorded its time: it lasted until its log was last written."""
-        started = frozen.user_attrs.get("run_started")
-        log = self.study_dir / f"trial-{frozen.number}" / "trial.log"
-        if started is not None and log.is_file():
-            lost = max(0.0, log.stat().st_mtime - started)
-            self.database.set_trial_user_attr(trial_id(frozen), "seconds", frozen.user_attrs.get("seconds", 0.0) + lost)
-            self.database.set_trial_user_attr(trial_id(frozen), "run_started", None)
+        """A run whose search died never recorded its time: it lasted until its log was last written (a log on another
+        machine: until its worker's last heartbeat, unknown here, so the run's time is not counted)."""
+        attrs = frozen.user_attrs
+        started = attrs.get("run_started")
+        log = Path(attrs.get("trial_dir") or self.study_dir / f"trial-{frozen.number}") / "trial.log"
+        if started is None:
+            return
+        if (attrs.get("owner") or {}).get("host") == self.me["host"] and log.is_file():
+            ended = log.stat().st_mtime
+            self.database.set_trial_user_attr(trial_id(frozen), "seconds",
+                                              attrs.get("seconds", 0.0) + max(0.0, ended - started))
+            self._end_run(trial_id(frozen), attrs, ended)
+        self.database.set_trial_user_attr(trial_id(frozen), "run_started", None)
+
+    def _end_run(self, trial: int, attrs: dict, ended: float) -> None:
+        history = attrs.get("history") or []
+        if history and history[-1][2] is None:
+            history[-1][2] = ended
+            self.database.set_trial_user_attr(trial, "history", history)
+
+    def _leave(self) -> None:
+        """Trials this worker owns and leaves RUNNING (stopped by a signal): other workers may continue them now."""
+        if self.heartbeat is None:
+            return
+        self.heartbeat.stop()
+        self.heartbeat.join(timeout=self.settings.heartbeat_interval + 30)  # its last beat must not follow STOPPED
+        from optuna.trial import TrialState
+
+        try:
+            for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                if same_process(frozen.user_attrs.get("owner"), self.me):
+                    self.database.set_trial_user_attr(trial_id(frozen), "heartbeat", STOPPED)
+        except Exception as err:  # noqa: BLE001 - they are taken over after the grace period instead
+            print(f"trainer-ext search: could not mark the trials left as stopped ({err})", flush=True)
+
+    def _keep_best(self) -> None:
+        keep_best(self.study, self.study_dir, self.me, self.keep_checkpoints, self.storage_options, self.removed)
 
     def _record(self, trial: Trial) -> bool:
         """Record how the trial's process ended; True when it should run again now (it was interrupted)."""
@@ -176,12 +292,17 @@ class Search:
 
         status, trial_dir = trial.process.returncode, self.study_dir / f"trial-{trial.number}"
         attrs = self.database.get_trial(trial.id).user_attrs
+        if not same_process(attrs.get("owner"), self.me):
+            print(f"trial {trial.number}: another worker took it over: this run is not recorded", flush=True)
+            self.heartbeat.drop(trial.id)
+            return False
         spent = attrs.get("seconds", 0.0) + time.monotonic() - trial.started
         self.database.set_trial_user_attr(trial.id, "seconds", spent)
         self.database.set_trial_user_attr(trial.id, "run_started", None)
+        self._end_run(trial.id, attrs, time.time())
         name, took = self.settings.metric, f"{spent:.0f} s"
         if PRUNED_ATTR in attrs:
-            self.study.tell(trial.number, state=TrialState.PRUNED)
+            self._tell(trial, state=TrialState.PRUNED)
             self.failures = 0
             print(f"trial {trial.number} PRUNED at step {attrs[PRUNED_ATTR]} ({took})", flush=True)
             return False
@@ -190,7 +311,8 @@ class Search:
             if steps is not None:
                 self.database.set_trial_user_attr(trial.id, "steps", steps)
             if error is None:
-                self.study.tell(trial.number, value)
+                self._share_model(trial, attrs, value)
+                self._tell(trial, value)
                 self.failures = 0
                 print(f"trial {trial.number} COMPLETE: {name} {value:.4g} after {steps} steps ({took})", flush=True)
                 return False
@@ -201,11 +323,35 @@ class Search:
             return not self.stopping
         return self._fail(trial, f"exit status {status}: {_last_error(trial_dir / 'trial.log')}")
 
+    def _tell(self, trial: Trial, value=None, state=None) -> None:
+        self.heartbeat.drop(trial.id)
+        with self.lock:
+            self.study.tell(trial.number, value, state=state)
+
+    def _share_model(self, trial: Trial, attrs: dict, value: float) -> None:
+        """A trial that becomes the best: its model to the remote copy too, before the trial is recorded (so another
+        worker's report finds it), for the other workers' best/; removed with the trial's copy when a better one
+        finishes."""
+        if not attrs.get("checkpoint_uri"):
+            return
+        try:
+            best = self.study.best_value
+        except ValueError:
+            best = None
+        if best is not None and (value < best if self.settings.direction == "maximize" else value > best):
+            return  # never the best (a tie may be: Optuna picks one of equal trials)
+        try:
+            model_uri = upload_model(self.study_dir / f"trial-{trial.number}", attrs["checkpoint_uri"],
+                                     self.storage_options)
+            self.database.set_trial_user_attr(trial.id, "model_uri", model_uri)
+        except Exception as err:  # noqa: BLE001 - the model stays in this worker's folder; the report says where
+            print(f"trial {trial.number}: its model was not copied to {attrs['checkpoint_uri']} ({err})", flush=True)
+
     def _fail(self, trial: Trial, error: str) -> bool:
         from optuna.trial import TrialState
 
         self.database.set_trial_user_attr(trial.id, "error", error)
-        self.study.tell(trial.number, state=TrialState.FAIL)
+        self._tell(trial, state=TrialState.FAIL)
         self.failures += 1
         print(f"trial {trial.number} FAIL: {error} (log: {self.study_dir}/trial-{trial.number}/trial.log)", flush=True)
         if self.failures == FAILURES_IN_A_ROW:

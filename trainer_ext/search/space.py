@@ -16,7 +16,7 @@ from ..experiment import OPTIMIZER_FIELDS, SCHEDULER_FIELDS, check_keys, as_mapp
 from ..field_values import WrongType, did_you_mean, read_as
 
 KEYS = ("space", "metric", "direction", "max_trials", "parallel_trials", "sampler", "pruner", "storage", "study_name",
-        "study_dir")
+        "study_dir", "heartbeat_interval", "grace_period")
 TYPES = {"float": ("low", "high", "step"), "log_float": ("low", "high"), "int": ("low", "high", "step"),
          "categorical": ("choices",)}
 KEYS_OF_A_PARAM = ("type", "low", "high", "step", "choices")
@@ -70,6 +70,8 @@ class SearchSettings:
     sampler: dict = dataclasses.field(default_factory=lambda: {"type": "tpe"})
     pruner: dict = dataclasses.field(default_factory=lambda: {"type": "none"})
     storage: str | None = None  # any SQLAlchemy URL; None: SQLite in study_dir
+    heartbeat_interval: float = 10.0  # seconds between a worker's heartbeats on the trials it runs
+    grace_period: float = 60.0  # a trial whose heartbeat stands still this long is taken over by another worker
 
     @property
     def storage_url(self) -> str:
@@ -113,8 +115,13 @@ def read_search(section, where: str, types: dict, *, metrics=None, has_deepspeed
     if direction not in DIRECTIONS:
         problems.append(f"{where}: direction: expected one of {', '.join(DIRECTIONS)}, got {direction!r}"
                         + did_you_mean(direction, DIRECTIONS))
-    counts = {key: _count(section.get(key, default), f"{where}: {key}", problems)
+    counts = {key: _positive(section.get(key, default), int, f"{where}: {key}", problems)
               for key, default in (("max_trials", 10), ("parallel_trials", 1))}
+    timing = {key: _positive(section.get(key, default), float, f"{where}: {key}", problems)
+              for key, default in (("heartbeat_interval", 10.0), ("grace_period", 60.0))}
+    if timing["grace_period"] <= timing["heartbeat_interval"]:
+        problems.append(f"{where}: grace_period {timing['grace_period']:g} must exceed heartbeat_interval "
+                        f"{timing['heartbeat_interval']:g} (a few heartbeats, e.g. 6x), or live workers look dead")
     sampler = _registered(section.get("sampler", "tpe"), "sampler", f"{where}: sampler", problems)
     pruner = _registered(section.get("pruner", "none"), "pruner", f"{where}: pruner", problems)
     texts = {key: section.get(key) for key in ("storage", "study_name", "study_dir")}
@@ -132,7 +139,7 @@ def read_search(section, where: str, types: dict, *, metrics=None, has_deepspeed
         texts["study_dir"] = os.path.normpath(os.path.join(folder, os.path.expanduser(texts["study_dir"])))
     return SearchSettings(space=space, metric=metric, direction=direction,
                           study_name=texts["study_name"] or study_name, study_dir=texts["study_dir"] or study_dir,
-                          storage=texts["storage"], sampler=sampler, pruner=pruner, **counts)
+                          storage=texts["storage"], sampler=sampler, pruner=pruner, **counts, **timing)
 
 
 def trial_flags(params: dict[str, Any], deepspeed=None) -> list[str]:
@@ -283,15 +290,17 @@ def _metric(value, metrics, where: str, problems: list[str]) -> str:
     return name
 
 
-def _count(value, where: str, problems: list[str]) -> int:
+def _positive(value, kind: type, where: str, problems: list[str]):
+    """A count (int, at least 1) or seconds (float, above 0); 1 when it is not one."""
     try:
-        count = read_as(value, int)
+        number = read_as(value, kind)
     except WrongType as err:
         problems.append(f"{where}: {err}")
-        return 1
-    if count < 1:
-        problems.append(f"{where}: {count} must be at least 1")
-    return count
+        return kind(1)
+    if number < 1 if kind is int else not number > 0:
+        problems.append(f"{where}: {number:g} must be " + ("at least 1" if kind is int else "above 0 (seconds)"))
+        return kind(1)
+    return number
 
 
 def _registered(value, kind: str, where: str, problems: list[str]) -> dict:

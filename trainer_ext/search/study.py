@@ -1,11 +1,10 @@
-"""The Optuna side of a search: the storage (SQLite by default, any SQLAlchemy URL), samplers and pruners by name, the
-study with its space recorded, and which process owns a RUNNING trial."""
+"""The Optuna side of a search: the storage (SQLite by default, any SQLAlchemy URL) and its database driver, samplers
+and pruners by name, the study with its space recorded."""
 
 from __future__ import annotations
 
 import inspect
 import os
-import socket
 import warnings
 
 from ..errors import UserError
@@ -47,6 +46,48 @@ def sampler(spec: dict, trials_so_far: int, parallel_trials: int):
     if spec["type"] == "tpe" and parallel_trials > 1 and "constant_liar" not in spec:
         extra["constant_liar"] = True
     return build("sampler", spec, **extra)
+
+
+# SQLAlchemy's driver name -> the package that brings it (SQLAlchemy 2.1 reads postgresql:// with psycopg 3).
+DRIVERS = {"psycopg": "psycopg[binary]", "psycopg2": "psycopg2-binary", "pg8000": "pg8000", "asyncpg": "asyncpg",
+           "mysqldb": "mysqlclient", "pymysql": "PyMySQL", "mysqlconnector": "mysql-connector-python",
+           "mariadbconnector": "mariadb", "oracledb": "oracledb", "pyodbc": "pyodbc"}
+EXTRA_FOR = {"psycopg": "trainer_ext[search-postgres]"}
+
+
+def shown(url: str) -> str:
+    """A storage URL as printed and written to the report: without its password."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
+
+
+def driver_problem(url: str) -> str | None:
+    """What keeps SQLAlchemy from opening `url` on this machine (an unknown dialect, a driver not installed), with the
+    package to install; None when its driver imports."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        parsed = make_url(url)
+        dialect = parsed.get_dialect()
+    except NoSuchModuleError:  # an ArgumentError too
+        return f"SQLAlchemy knows no database {parsed.drivername!r} (e.g. postgresql://, mysql+pymysql://, sqlite:///)"
+    except ArgumentError as err:
+        return f"not an SQLAlchemy URL ({err})"
+    try:
+        dialect.import_dbapi()
+    except ImportError:
+        driver, scheme = dialect.driver, parsed.drivername
+        package = DRIVERS.get(driver, driver)
+        extra = f" (or pip install '{EXTRA_FOR[driver]}')" if driver in EXTRA_FOR else ""
+        other = "; postgresql+psycopg2:// selects psycopg2" if scheme == "postgresql" else ""
+        return (f"{scheme}:// needs the {driver} driver, which is not installed: pip install '{package}'{extra}{other}")
+    return None
 
 
 def storage(url: str):
@@ -108,25 +149,3 @@ def running_trial(url: str, study_name: str, trial: int, pruner: dict):
                               sampler=optuna.samplers.RandomSampler())
     return optuna.trial.Trial(study, trial)
 
-
-# -- which process owns a trial ----------------------------------------------------------------------------
-def this_process(pid: int | None = None) -> dict:
-    """Identity of a process on this machine that survives pid reuse: host, pid and start time."""
-    import psutil
-
-    process = psutil.Process(pid)
-    return {"host": socket.gethostname(), "pid": process.pid, "started": process.create_time()}
-
-
-def alive(record: dict | None) -> bool | None:
-    """Whether the process recorded is still running; None when it runs on another machine (we cannot tell)."""
-    import psutil
-
-    if not record:
-        return False
-    if record.get("host") != socket.gethostname():
-        return None
-    try:
-        return abs(psutil.Process(record["pid"]).create_time() - record["started"]) < 0.01
-    except psutil.Error:
-        return False

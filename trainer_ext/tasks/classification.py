@@ -10,11 +10,13 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArgumentsError
-from .common import REPO, ModelArguments, first, load_config, load_tokenizer, shipped_model, train_and_save
+from .common import (REPO, ModelArguments, check_sample_limits, first, load_config, load_tokenizer, needed_splits,
+                     shipped_model, train_and_save, with_channels)
 
 SHIPPED_DATA = REPO / "data" / "classification"
 EVAL_METRICS = ("loss", "accuracy")  # what evaluation reports (eval_*): `trainer-ext search` checks its metric
 SPLITS = ("train", "validation", "test")
+FORMATS = (".jsonl", ".json", ".csv", ".tsv")
 
 __all__ = ["ModelArguments", "DataArguments", "run"]
 
@@ -39,7 +41,12 @@ class DataArguments:
     evaluate_before_training: bool = field(default=False, metadata={"help": "Report validation metrics first."})
 
     def __post_init__(self):
+        check_sample_limits(self)
         if self.dataset_name is None:
+            folders = [f"--{split}_file {path}" for split, path in self.data_files().items() if Path(path).is_dir()]
+            if folders:
+                raise ArgumentsError(f"{', '.join(folders)}: a folder, not a file (give the file itself, or the "
+                                     "folder as --dataset_name)")
             missing = [f"--{split}_file {path}" for split, path in self.data_files().items()
                        if not Path(path).is_file()]
             if missing:
@@ -47,28 +54,99 @@ class DataArguments:
         if self.max_seq_length < 1:
             raise ArgumentsError(f"--max_seq_length {self.max_seq_length} must be at least 1")
 
+    def uses_shipped_data(self) -> bool:
+        return self.dataset_name is None and not any(self._given().values())
+
     def data_files(self) -> dict[str, str]:
-        given = {"train": self.train_file, "validation": self.validation_file, "test": self.test_file}
-        return {split: str(path or SHIPPED_DATA / f"{split}.jsonl") for split, path in given.items()}
+        """The files given (a SageMaker job's channels fill splits no flag names); all three shipped ones when none
+        is (never a shipped file beside a file of the user's)."""
+        if self.uses_shipped_data():
+            return {split: str(SHIPPED_DATA / f"{split}.jsonl") for split in SPLITS}
+        return {split: str(path) for split, path in self._given().items() if path}
+
+    def _given(self) -> dict:
+        return with_channels({"train": self.train_file, "validation": self.validation_file, "test": self.test_file},
+                             (".jsonl", ".json", ".csv"))
 
 
-def load_raw(data_args: DataArguments):
+def load_raw(data_args: DataArguments, training_args=None):
     import datasets
 
-    from .common import reading
+    from .common import check_needed_splits, reading, shipped_data_note
+    from .data_checks import load_files
 
     if data_args.dataset_name is not None:
         with reading("--dataset_name", data_args.dataset_name, "dataset"):
             return datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
     files = data_args.data_files()
-    kind = "csv" if files["train"].endswith(".csv") else "json"
-    return datasets.load_dataset(kind, data_files=files)
+    if training_args is not None:
+        check_needed_splits(needed_splits(data_args, training_args), files)
+    if data_args.uses_shipped_data():
+        shipped_data_note(SHIPPED_DATA)
+    for split, path in files.items():
+        if not path.lower().endswith(FORMATS):
+            raise ArgumentsError(f"--{split}_file {path}: give JSON lines (.jsonl or .json, one object per line) or "
+                                 "CSV (.csv, .tsv) with a header line")
+    kinds = {"csv" if path.lower().endswith((".csv", ".tsv")) else "json" for path in files.values()}
+    if len(kinds) > 1:
+        raise ArgumentsError(f"the data files mix CSV and JSON lines ({', '.join(files.values())}): give them all in "
+                             "one format")
+    kind = kinds.pop()
+    return load_files(kind, files, **({"delimiter": "\t"} if kind == "csv" and any(
+        path.endswith(".tsv") for path in files.values()) else {}))
+
+
+def checked_labels(raw, data_args: DataArguments, config=None) -> tuple[list[str], set[str]]:
+    """The class names in the order of the classifier's outputs (from the training data, or evaluating only, the
+    model's own label names), with every split's texts and labels checked; and the splits without labels (a test
+    file without the column, or GLUE's -1 everywhere)."""
+    from .data_checks import (check_known_labels, check_rows, check_texts, label_name, label_order, training_labels,
+                              unlabelled)
+
+    files = {} if data_args.dataset_name is not None else data_args.data_files()
+    where = {split: files.get(split, f"--dataset_name {data_args.dataset_name} [{split}]") for split in raw}
+    column = data_args.label_column
+    for split in raw:
+        check_rows(raw[split], where[split], split)
+        check_texts(raw[split], data_args.text_column, where[split], "--text_column")
+    if "train" in raw:
+        names = training_labels(raw["train"], column, where["train"])
+    else:
+        names = model_label_names(config)
+        if names is None:  # a model without label names: the classes of the data evaluated, sorted as training does
+            names = sorted({label_name(v) for split in raw if column in raw[split].column_names
+                            for v in raw[split][column] if v is not None}, key=label_order)
+    without = set()
+    for split in raw:
+        if split == "train":
+            continue
+        if column not in raw[split].column_names or (split == "test" and unlabelled(raw[split][column], names)):
+            if split == "validation":
+                raise ArgumentsError(f"--label_column {column!r}: {where[split]} has no labels to evaluate against "
+                                     f"(columns: {raw[split].column_names})")
+            if column in raw[split].column_names:
+                without.add(split)
+            continue
+        check_known_labels(raw[split], column, where[split], names, split)
+    return names, without
+
+
+def model_label_names(config) -> list[str] | None:
+    """The label names a fine-tuned classifier carries (id2label), None for transformers' LABEL_0... defaults."""
+    id2label = getattr(config, "id2label", None) or {}
+    names = [str(id2label[i]) for i in sorted(id2label, key=int)]
+    return None if not names or names == [f"LABEL_{i}" for i in range(len(names))] else names
 
 
 def tokenize(batch, tokenizer, text_column, label_column, labels, max_length):
-    """Top level with plain arguments: `datasets` can fingerprint it, so a second run reuses the cache."""
+    """Top level with plain arguments: `datasets` can fingerprint it, so a second run reuses the cache. `labels`: the
+    class names in output order; a split without labels gets none."""
+    from .data_checks import label_name
+
     encoded = tokenizer(batch[text_column], truncation=True, max_length=max_length)
-    encoded["labels"] = [labels.index(label) for label in batch[label_column]]
+    if label_column in batch:
+        index = {name: i for i, name in enumerate(labels)}
+        encoded["labels"] = [index[label_name(label)] for label in batch[label_column]]
     return encoded
 
 
@@ -77,35 +155,75 @@ def accuracy(prediction) -> dict:
     return {"accuracy": float((predictions == prediction.label_ids).mean())}
 
 
+def same_order_as_model(labels: list[str], config) -> list[str]:
+    """A fine-tuned classifier's own label order when the data has the same labels: its head's rows keep their
+    meaning (sorting the names could swap them)."""
+    from .data_checks import say_once
+
+    own = model_label_names(config)
+    if own is not None and sorted(own) == sorted(labels):
+        return own
+    if own is not None and len(own) == len(labels):
+        say_once(f"the model's labels ({', '.join(own)}) are not the data's ({', '.join(labels)}): its classifier "
+                 f"rows now stand for {', '.join(labels)}, in that order")
+    return labels
+
+
+def check_head(config, labels: list[str], model_path, model_args) -> None:
+    """A model that already has a classifier head for another number of classes: transformers stops with a traceback
+    about mismatched sizes; one line instead, and the flag that starts a new head."""
+    own = model_label_names(config)
+    trained = any(name.endswith("ForSequenceClassification") for name in getattr(config, "architectures", None) or [])
+    if not trained or config.num_labels == len(labels) or model_args.model_kwargs.get("ignore_mismatched_sizes"):
+        return
+    what = f" ({', '.join(own)})" if own else ""
+    raise ArgumentsError(f"--model_name_or_path {model_path} is a classifier for {config.num_labels} classes{what} but "
+                         f"the data has {len(labels)} ({', '.join(labels)}): to train a new head for them pass "
+                         "--model_kwargs '{\"ignore_mismatched_sizes\": true}', or check --label_column")
+
+
 def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> dict:
     """Fine-tune and/or evaluate a classifier with ExtTrainer; returns the metrics.
 
     Writes {train,eval,eval_before,predict}_results.json and, with --do_predict, predictions.json to output_dir."""
+    import datasets
     import transformers
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
     from ..backends import sharded_loading
     from ..trainer import ExtTrainer
 
-    raw = load_raw(data_args)
-    for split in ("train",) + (("validation",) if training_args.do_eval or data_args.evaluate_before_training
-                               else ()) + (("test",) if training_args.do_predict else ()):
+    from .common import check_best_metric, check_output_dir, check_sequence_length, reading
+
+    model_path = model_args.model_name_or_path or shipped_model()
+    check_output_dir(training_args, model_path)
+    check_best_metric(training_args, EVAL_METRICS)
+    raw = load_raw(data_args, training_args)
+    for split in (split for split, flag in needed_splits(data_args, training_args).items() if flag):
         if split not in raw:
             raise ArgumentsError(f"the data has no {split!r} split (it has {sorted(raw)})")
-    for column in (data_args.text_column, data_args.label_column):
-        if column not in raw["train"].column_names:
-            flag = "--text_column" if column == data_args.text_column else "--label_column"
-            raise ArgumentsError(f"{flag} {column!r}: the training data has columns {raw['train'].column_names}")
-    labels = sorted(set(raw["train"][data_args.label_column]))
+    if "train" in raw:
+        for column in (data_args.text_column, data_args.label_column):
+            if column not in raw["train"].column_names:
+                flag = "--text_column" if column == data_args.text_column else "--label_column"
+                raise ArgumentsError(f"{flag} {column!r}: the training data has columns {raw['train'].column_names}")
+    original = load_config(model_path, model_args)
+    labels, unlabelled = checked_labels(raw, data_args, original)
+    raw = datasets.DatasetDict({split: dataset.remove_columns(data_args.label_column) if split in unlabelled
+                                else dataset for split, dataset in raw.items()})
+    if "train" in raw:
+        labels = same_order_as_model(labels, original)
     weights = getattr(training_args, "class_weights", None)
     if weights and len(weights) != len(labels):  # before the model is loaded
         raise ArgumentsError(f"--class_weights has {len(weights)} values but the training data has {len(labels)} "
                              f"labels ({', '.join(map(str, labels))}): give one weight per label, in that order")
-    model_path = model_args.model_name_or_path or shipped_model()
+    check_head(original, labels, model_path, model_args)
     set_seed(training_args.seed)  # the new classifier head is initialised identically on every backend
-    config = load_config(model_path, model_args, num_labels=len(labels))
+    config = load_config(model_path, model_args, num_labels=len(labels),
+                         id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
     tokenizer = load_tokenizer(model_path, model_args)
-    with sharded_loading(training_args):  # partitioned where the backend can (ZeRO-3)
+    check_sequence_length("--max_seq_length", data_args.max_seq_length, config, tokenizer)
+    with sharded_loading(training_args), reading("--model_name_or_path", model_path, "model"):  # partitioned (ZeRO-3)
         model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config,
                                                                    **model_args.model_kwargs)
     transformers.utils.logging.set_verbosity_warning()
@@ -113,16 +231,18 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     arguments = dict(tokenizer=tokenizer, text_column=data_args.text_column, label_column=data_args.label_column,
                      labels=labels, max_length=data_args.max_seq_length)
     with training_args.main_process_first(desc="tokenize"):  # the other ranks then read rank 0's cache
-        tokenized = raw.map(tokenize, batched=True, fn_kwargs=arguments, remove_columns=raw["train"].column_names,
-                            num_proc=data_args.preprocessing_num_workers,
-                            load_from_cache_file=not data_args.overwrite_cache)
+        tokenized = datasets.DatasetDict({
+            split: dataset.map(tokenize, batched=True, fn_kwargs=arguments, remove_columns=dataset.column_names,
+                               num_proc=data_args.preprocessing_num_workers,
+                               load_from_cache_file=not data_args.overwrite_cache)
+            for split, dataset in raw.items()})
     limits = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples,
               "test": data_args.max_predict_samples}
     for split, limit in limits.items():
         if split in tokenized:
             tokenized[split] = first(tokenized[split], limit)
 
-    trainer = ExtTrainer(model=model, args=training_args, train_dataset=tokenized["train"],
+    trainer = ExtTrainer(model=model, args=training_args, train_dataset=tokenized.get("train"),
                          eval_dataset=tokenized.get("validation"), processing_class=tokenizer,
                          data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy)
     main_process = trainer.is_world_process_zero()
@@ -149,7 +269,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
         if main_process:
             predictions = np.argmax(output.predictions, axis=-1).tolist()
             path = Path(training_args.output_dir) / "predictions.json"
-            path.write_text(json.dumps({"predictions": predictions, "logits": output.predictions.tolist()}))
+            path.write_text(json.dumps({"predictions": predictions, "labels": [labels[i] for i in predictions],
+                                        "logits": output.predictions.tolist()}))
     if main_process and training_args.do_train:
         print(f"model saved to {Path(training_args.output_dir).resolve()}", flush=True)
     return results

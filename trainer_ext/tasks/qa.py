@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArgumentsError
-from .common import REPO, ModelArguments, first, load_config, load_tokenizer, shipped_model, train_and_save
+from .common import (REPO, ModelArguments, check_sample_limits, first, load_config, load_tokenizer, shipped_model,
+                     train_and_save, with_channels)
 
 logger = logging.getLogger(__name__)
 
@@ -265,9 +266,15 @@ class DataArguments:
     preprocessing_num_workers: int | None = field(default=None)
     overwrite_cache: bool = field(default=False, metadata={"help": "Tokenize again instead of using the cache."})
     evaluate_before_training: bool = field(default=False, metadata={"help": "Report validation metrics first."})
+    max_misplaced_answers: float = field(default=0.01, metadata={
+        "help": "Share of answers whose answer_start may miss their text (those questions are left out of "
+                "training); more is refused."})
 
     def __post_init__(self):
+        check_sample_limits(self)
         problems = []
+        if not 0 <= self.max_misplaced_answers < 1:
+            problems.append(f"--max_misplaced_answers {self.max_misplaced_answers}: a share in [0, 1)")
         if self.doc_stride >= self.max_seq_length:
             problems.append(f"--doc_stride {self.doc_stride} must be smaller than --max_seq_length "
                             f"{self.max_seq_length} (try --doc_stride {self.max_seq_length // 3})")
@@ -280,10 +287,38 @@ class DataArguments:
         if problems:
             raise ArgumentsError("; ".join(problems))
 
+    def uses_shipped_data(self) -> bool:
+        return not any(self._given().values())
+
     def data_files(self) -> dict[str, str]:
-        suffix = "_v2" if self.version_2_with_negative else ""
-        return {"train": self.train_file or str(SHIPPED_DATA / f"train{suffix}.json"),
-                "validation": self.validation_file or str(SHIPPED_DATA / f"validation{suffix}.json")}
+        """The files given (a SageMaker job's channels fill splits no flag names); both shipped ones when none is
+        (never a shipped file beside a file of the user's)."""
+        if self.uses_shipped_data():
+            suffix = "_v2" if self.version_2_with_negative else ""
+            return {split: str(SHIPPED_DATA / f"{split}{suffix}.json") for split in ("train", "validation")}
+        return {split: str(path) for split, path in self._given().items() if path}
+
+    def _given(self) -> dict:
+        return with_channels({"train": self.train_file, "validation": self.validation_file}, (".json",))
+
+
+def checked_files(data_args: DataArguments, training_args) -> tuple[dict[str, str], set[str]]:
+    """The files this run reads, each checked whole (shape, questions, answers against contexts); and the training
+    questions to leave out (their answer_start misses their text)."""
+    from .common import check_needed_splits, needed_splits, shipped_data_note
+    from .data_checks import check_squad
+
+    files = data_args.data_files()
+    needed = {split: flag for split, flag in needed_splits(data_args, training_args).items() if split != "test"}
+    check_needed_splits(needed, files)
+    if data_args.uses_shipped_data():
+        shipped_data_note(SHIPPED_DATA)
+    left_out = set()
+    for split, path in files.items():
+        if needed[split]:
+            misplaced = check_squad(path, data_args.version_2_with_negative, data_args.max_misplaced_answers)
+            left_out |= misplaced if split == "train" else set()
+    return files, left_out
 
 
 def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> dict:
@@ -296,18 +331,20 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     from ..backends import sharded_loading
     from ..trainer import ExtTrainer
 
-    files = data_args.data_files()
+    from .common import check_best_metric, check_output_dir, check_sequence_length, reading
+
     model_path = model_args.model_name_or_path or shipped_model()
+    check_output_dir(training_args, model_path)
+    check_best_metric(training_args, EVAL_METRICS)
+    files, left_out = checked_files(data_args, training_args)
     set_seed(training_args.seed)  # the new span head is initialised identically on every backend
     config = load_config(model_path, model_args)
     tokenizer = load_tokenizer(model_path, model_args)
     if not tokenizer.is_fast:
         raise ArgumentsError(f"{type(tokenizer).__name__} is not a fast tokenizer: question answering needs the "
                              "offset mapping only fast tokenizers give; pass --tokenizer_name of a fast one")
-    if data_args.max_seq_length > tokenizer.model_max_length:
-        raise ArgumentsError(f"--max_seq_length {data_args.max_seq_length} is longer than the model accepts "
-                             f"({tokenizer.model_max_length}); use --max_seq_length {tokenizer.model_max_length}")
-    with sharded_loading(training_args):  # partitioned where the backend can (ZeRO-3)
+    check_sequence_length("--max_seq_length", data_args.max_seq_length, config, tokenizer)
+    with sharded_loading(training_args), reading("--model_name_or_path", model_path, "model"):  # partitioned (ZeRO-3)
         model = AutoModelForQuestionAnswering.from_pretrained(model_path, config=config, **model_args.model_kwargs)
     transformers.utils.logging.set_verbosity_warning()
 
@@ -318,7 +355,11 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     # Rank 0 reads and tokenizes first; the other ranks then load its cache files.
     with training_args.main_process_first(desc="read and tokenize the QA data"):
         if training_args.do_train:
-            train_examples = first(load_squad(files["train"], **cached), data_args.max_train_samples)
+            train_examples = load_squad(files["train"], **cached)
+            if left_out:  # answer_start misses the answer: the span would teach the wrong tokens
+                train_examples = train_examples.filter(lambda ids: [i not in left_out for i in ids],
+                                                       input_columns="id", batched=True, **cached)
+            train_examples = first(train_examples, data_args.max_train_samples)
             train_features = train_examples.map(prepare_train_features, batched=True, fn_kwargs=tokenize,
                                                 remove_columns=train_examples.column_names,
                                                 desc="Tokenizing train", **cached)

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import ArgumentsError
 from .common import ModelArguments as CommonModelArguments
-from .common import reading, shipped_model, train_and_save
+from .common import check_sample_limits, reading, shipped_model, train_and_save, with_channels
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class DataArguments:
     evaluate_before_training: bool = field(default=False, metadata={"help": "Report validation metrics first."})
 
     def __post_init__(self):
+        check_sample_limits(self)
         if self.source_lang == self.target_lang:
             raise ArgumentsError(f"--source_lang and --target_lang are both {self.source_lang!r}: give two languages")
         for name in ("max_source_length", "max_target_length"):
@@ -72,14 +73,20 @@ class DataArguments:
 
 # -- data ------------------------------------------------------------------------------------------------------
 def data_files(data_args: DataArguments, training_args) -> dict[str, str]:
-    """The files this run reads, checked before anything loads: the splits it uses plus any file named."""
-    given = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-    needed = {"train": training_args.do_train,
-              "validation": training_args.do_eval or data_args.evaluate_before_training,
-              "test": training_args.do_predict}
+    """The files this run reads, checked before anything loads: the splits it uses plus any file named (a SageMaker
+    job's channels fill splits no flag names); the shipped ones only when no file at all is given (never beside a file
+    of the user's)."""
+    from .common import check_needed_splits, needed_splits, shipped_data_note
+
+    given = with_channels({"train": data_args.train_file, "validation": data_args.validation_file,
+                           "test": data_args.test_file}, (".jsonl", ".json"))
+    needed = needed_splits(data_args, training_args)
+    shipped = not any(given.values())
+    if not shipped:
+        check_needed_splits(needed, {split: path for split, path in given.items() if path})
     files, missing = {}, []
     for split, path in given.items():
-        if path is None and not needed[split]:
+        if path is None and not (shipped and needed[split]):
             continue
         path = Path(path) if path is not None else SHIPPED_DATA / f"{split}.jsonl"
         if not path.is_file():
@@ -89,22 +96,32 @@ def data_files(data_args: DataArguments, training_args) -> dict[str, str]:
     if missing:
         raise DataFileError("; ".join(missing) + " (give existing JSON lines files, one {\"translation\": "
                             "{source_lang: text, target_lang: text}} per line)")
+    if shipped and files:
+        shipped_data_note(SHIPPED_DATA)
     return files
 
 
 def load_pairs(files: dict[str, str], data_args: DataArguments):
-    import datasets
+    from .data_checks import check_rows, load_files, row
 
-    raw = datasets.load_dataset("json", data_files=files)
+    raw = load_files("json", files)
     for split, dataset in raw.items():
+        check_rows(dataset, files[split], split)
         if "translation" not in dataset.column_names:
             raise DataFileError(f"{files[split]}: no 'translation' field (columns: {dataset.column_names}); "
                                 "each line must be {\"translation\": {source_lang: text, target_lang: text}}")
-        first = dataset[0]["translation"] if len(dataset) else {}
-        for flag, lang in (("--source_lang", data_args.source_lang), ("--target_lang", data_args.target_lang)):
-            if first and lang not in first:
-                raise DataFileError(f"{files[split]}: no {lang!r} text ({flag} {lang}); languages there: "
-                                    f"{sorted(first)}")
+        for index, pair in enumerate(dataset["translation"]):
+            for flag, lang in (("--source_lang", data_args.source_lang), ("--target_lang", data_args.target_lang)):
+                text = pair.get(lang) if isinstance(pair, dict) else None
+                if isinstance(text, str) and text.strip():
+                    continue
+                if not isinstance(pair, dict) or lang not in pair or (index == 0 and text is None):
+                    languages = sorted(k for k, v in pair.items() if v is not None) if isinstance(pair, dict) else []
+                    raise DataFileError(f"{row(files[split], index)}: no {lang!r} text ({flag} {lang}); languages "
+                                        f"there: {languages}")
+                raise DataFileError(f"{row(files[split], index)}: the {lang!r} text is "
+                                    f"{'empty' if text is not None else 'missing (null)'}: every pair needs both "
+                                    "texts (fill it in or remove the line)")
     return raw
 
 
@@ -197,14 +214,18 @@ def build_model(model_args: ModelArguments):
     config_only = (path.is_file() and path.suffix == ".json") or (path.is_dir() and not _has_weights(path))
     folder = path.parent if path.is_file() else path
     own_tokenizer = folder.is_dir() and any((folder / f).is_file() for f in TOKENIZER_FILES)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or (folder if own_tokenizer else shipped_model()),
-                                              **model_args.tokenizer_kwargs)
+    flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
+    with reading(flag, model_args.tokenizer_name or name, "tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or (folder if own_tokenizer
+                                                                                else shipped_model()),
+                                                  **model_args.tokenizer_kwargs)
     with reading("--model_name_or_path", name, "model"):
         config = AutoConfig.from_pretrained(name)
     for sub in _sub_configs(config):
         adjust_config(sub, model_args.dropout, model_args.config_overrides, model_args.config_kwargs)
     if not config_only:
-        model = AutoModelForSeq2SeqLM.from_pretrained(name, config=config, **model_args.model_kwargs)
+        with reading("--model_name_or_path", name, "model"):
+            model = AutoModelForSeq2SeqLM.from_pretrained(name, config=config, **model_args.model_kwargs)
         _set_token_ids(model, tokenizer, override=False)
         return model, tokenizer
     if not own_tokenizer:  # the config was written for another vocabulary: fit it to the shipped tokenizer
@@ -228,6 +249,18 @@ def _set_token_ids(model, tokenizer, override: bool) -> None:
         for target in (model.config, model.generation_config):
             if override or getattr(target, key, None) is None:
                 setattr(target, key, value)
+
+
+def check_lengths(config, data_args: DataArguments, training_args) -> None:
+    """Source and target lengths (and generation's) within the encoder's and decoder's positions."""
+    from .common import check_sequence_length
+
+    encoder, decoder = _sub_configs(config) * (2 if config.model_type != "encoder-decoder" else 1)
+    check_sequence_length("--max_source_length", data_args.max_source_length, encoder, what="encoder")
+    check_sequence_length("--max_target_length", data_args.max_target_length, decoder, what="decoder")
+    if training_args.generation_max_length:
+        check_sequence_length("--generation_max_length", training_args.generation_max_length, decoder,
+                              what="decoder")
 
 
 # -- metric ----------------------------------------------------------------------------------------------------
@@ -258,12 +291,18 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     from ..backends import sharded_loading
     from ..seq2seq import ExtSeq2SeqTrainer
 
+    from .common import check_best_metric, check_output_dir
+
+    check_output_dir(training_args, model_args.model_name_or_path)
+    check_best_metric(training_args, EVAL_METRICS)
     files = data_files(data_args, training_args)
-    Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
+    pairs = load_pairs(files, data_args)  # checked before the model loads
     set_seed(training_args.seed)  # new weights (cross-attention, a config-built model) equal on every rank
     with sharded_loading(training_args):  # partitioned where the backend can (ZeRO-3)
         model, tokenizer = build_model(model_args)
-    tokenized = tokenize(load_pairs(files, data_args), tokenizer, model, data_args, training_args)
+    check_lengths(model.config, data_args, training_args)
+    tokenized = tokenize(pairs, tokenizer, model, data_args, training_args)
+    Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
 
     generate = training_args.predict_with_generate
     trainer = ExtSeq2SeqTrainer(
