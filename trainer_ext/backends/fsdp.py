@@ -199,7 +199,7 @@ class FSDPBackend(Backend):
         # only the layer being computed is gathered, in the compute dtype.
         gathered = "16-bit" if mixed else "fp32"
         return [
-            BackendFormula("fsdp", "--fsdp full_shard", (4, True), (4, True), (8, True), 1.5, preference=45,
+            BackendFormula("fsdp", "--fsdp full_shard", (4, True), (4, True), (8, True), 1.5, preference=55,
                            note=f"plus one layer's {gathered} parameters gathered at a time (transient)"),
             BackendFormula("fsdp_shard_grad_op", "--fsdp shard_grad_op", (4, True), (4, True), (8, True), 1.0,
                            preference=35, extra=lambda n, world: {"params": n * (2 if mixed else 4)},
