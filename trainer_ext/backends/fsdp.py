@@ -157,7 +157,7 @@ class FSDPBackend(Backend):
     @classmethod
     def selected(cls, args) -> bool:
         value = getattr(args, "fsdp", None)
-        return bool(value) and value != "false"
+        return (bool(value) and value != "false") or getattr(args, "fsdp_settings", None) is not None
 
     @classmethod
     def given_as(cls, args) -> str:
@@ -223,8 +223,15 @@ class FSDPBackend(Backend):
             settings, _, problems = resolve_settings(args.fsdp, args.fsdp_config)
             if problems:
                 raise ArgumentsError("\n".join(problems))
-            self.settings = settings
+            self.settings = args.fsdp_settings = settings
             type(self).arguments_ready(args)
+        from transformers.training_args import ParallelMode
+
+        if args.parallel_mode != ParallelMode.DISTRIBUTED:
+            # transformers refuses --fsdp on one process ("only works in distributed training"); fully_shard on a
+            # mesh of one rank trains as one process and writes checkpoints any number of ranks resume. The flag is
+            # hidden from that check; the settings select this backend.
+            args.fsdp = False
         if self.settings.cpu_ram_efficient_loading:
             logger.warning("--fsdp_config cpu_ram_efficient_loading: not applied; every rank builds and loads the "
                            "whole model, then keeps its shard (README, 'PyTorch FSDP2')")
