@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -148,6 +149,30 @@ def test_sigterm_then_resume_on_1_rank_then_on_2_skipping_a_damaged_shard(runs, 
     assert f"skipping checkpoint {resumed / damaged.name}: optimizer_shards/__0_0.distcp" in said
     assert f"resuming from {resumed / written[-2].name}" in said
     assert_same_run(runs / "single", resumed)
+
+
+@pytest.mark.launch
+def test_an_experiment_file_selects_fsdp_and_a_flag_overrides_it(tmp_path, tiny_bert_dir):
+    """`fsdp:` in an experiment file with `fsdp_config` among the hyperparameters would not reach the task recipe
+    (examples/run_glue.py's), or `--fsdp shard_grad_op` after the file would keep the file's fsdp_config."""
+    import yaml
+
+    values = yaml.safe_load((REPO / "experiments" / "classification.yaml").read_text())
+    del values["deepspeed"], values["search"]
+    values["fsdp"] = "full_shard auto_wrap"
+    values["hyperparameters"].update(output_dir=str(tmp_path / "out"),
+                                     fsdp_config={"transformer_layer_cls_to_wrap": ["BertLayer"]},
+                                     eval_strategy="no", save_strategy="no", max_steps=2, logging_steps=1)
+    for key in ("train_file", "validation_file", "test_file"):
+        values["data"][key] = str(REPO / "data" / "classification" / Path(values["data"][key]).name)
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(yaml.safe_dump(values))
+    out = run([BIN / "torchrun", "--nproc_per_node", 2, "--master_port", free_port(), "-m", "trainer_ext", "train",
+               path, "--fsdp", "shard_grad_op", "--model_name_or_path", tiny_bert_dir], env={"HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-4000:]
+    settings = json.loads((tmp_path / "out" / "fsdp_settings.resolved.json").read_text())
+    assert settings["reshard_after_forward"] is False and settings["layer_classes"] == []
+    assert json.loads((tmp_path / "out" / "eval_results.json").read_text())["eval_loss"] > 0
 
 
 @pytest.mark.parametrize("flags,said", [
