@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import (BIN, PYTHON, REPO, TINY_COMMON, TINY_TRAIN, clean_env, free_port, logged, max_weight_difference,
                       rank_process, run, weights)
@@ -154,7 +155,8 @@ def test_sigterm_then_resume_on_1_rank_then_on_2_skipping_a_damaged_shard(runs, 
 @pytest.mark.launch
 def test_an_experiment_file_selects_fsdp_and_a_flag_overrides_it(tmp_path, tiny_bert_dir):
     """`fsdp:` in an experiment file with `fsdp_config` among the hyperparameters would not reach the task recipe
-    (examples/run_glue.py's), or `--fsdp shard_grad_op` after the file would keep the file's fsdp_config."""
+    (examples/run_glue.py's), `--fsdp shard_grad_op` after the file would keep the file's fsdp_config, or --bf16 would
+    not keep fp32 master weights (MixedPrecisionPolicy: bf16 compute, fp32 shards)."""
     import yaml
 
     values = yaml.safe_load((REPO / "experiments" / "classification.yaml").read_text())
@@ -168,11 +170,14 @@ def test_an_experiment_file_selects_fsdp_and_a_flag_overrides_it(tmp_path, tiny_
     path = tmp_path / "fsdp.yaml"
     path.write_text(yaml.safe_dump(values))
     out = run([BIN / "torchrun", "--nproc_per_node", 2, "--master_port", free_port(), "-m", "trainer_ext", "train",
-               path, "--fsdp", "shard_grad_op", "--model_name_or_path", tiny_bert_dir], env={"HF_HUB_OFFLINE": "1"})
+               path, "--fsdp", "shard_grad_op", "--model_name_or_path", tiny_bert_dir,
+               "--bf16"], env={"HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-4000:]
     settings = json.loads((tmp_path / "out" / "fsdp_settings.resolved.json").read_text())
     assert settings["reshard_after_forward"] is False and settings["layer_classes"] == []
     assert json.loads((tmp_path / "out" / "eval_results.json").read_text())["eval_loss"] > 0
+    assert "mixed precision: bf16 parameters gathered" in out.stdout + out.stderr
+    assert {tensor.dtype for tensor in weights(tmp_path / "out").values()} == {torch.float32}
 
 
 @pytest.mark.parametrize("flags,said", [

@@ -328,6 +328,10 @@ class FSDPBackend(Backend):
         if self.settings is None:
             return []
         lines = [f"fully_shard {json.dumps(asdict(self.settings))}"]
+        compute = "bf16" if getattr(self.args, "bf16", False) else "fp16" if getattr(self.args, "fp16", False) else None
+        if compute:  # what MixedPrecisionPolicy does (shard): users check that the upcast is applied
+            lines.append(f"mixed precision: {compute} parameters gathered for forward and backward, gradients reduced "
+                         "in fp32, the fp32 shards (master weights) stepped and saved")
         if self.settings.cpu_ram_efficient_loading:
             lines.append("note: cpu_ram_efficient_loading is not applied (every rank loads the whole model)")
         return lines
