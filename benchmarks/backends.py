@@ -78,6 +78,9 @@ CONFIGS = [
     # torch's FSDP2: each BertLayer (then the rest) a group gathered for its forward and backward, as ZeRO-3 does.
     Config("FSDP2, ExtTrainer (--fsdp full_shard)", "ext", "torchrun", "fsdp",
            ("--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"transformer_layer_cls_to_wrap": ["BertLayer"]}')),
+    # Parameters kept gathered from forward to backward: one all-gather fewer per layer, ZeRO-2's communication.
+    Config("FSDP2, ExtTrainer (--fsdp shard_grad_op)", "ext", "torchrun", "fsdp_shard_grad_op",
+           ("--fsdp", "shard_grad_op auto_wrap", "--fsdp_config", '{"transformer_layer_cls_to_wrap": ["BertLayer"]}')),
 ]
 BASELINE = {"stock": "DDP, stock Trainer", "ext": "DDP, ExtTrainer"}
 
