@@ -13,8 +13,19 @@ class Backend:
 
     name = "ddp"
     flag: str | None = None  # the argument that selects this backend (None: the default when none is selected)
+    library: str | None = None  # the module this backend needs installed, and how to install it
+    install = ""
 
     # -- the arguments (class level: before any trainer exists) ---------------------------------------------------
+    @classmethod
+    def missing_library(cls, args) -> str | None:
+        """One line when this backend's library is not installed (before transformers or accelerate import it)."""
+        import importlib.util
+
+        if cls.library and importlib.util.find_spec(cls.library) is None:
+            return f"{cls.given_as(args)} needs {cls.library}, which is not installed: {cls.install}"
+        return None
+
     @classmethod
     def selected(cls, args) -> bool:
         return bool(cls.flag and getattr(args, cls.flag, None))

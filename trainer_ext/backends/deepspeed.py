@@ -27,6 +27,8 @@ MAX_CONSECUTIVE_NONFINITE = 10
 class DeepSpeedBackend(Backend):
     name = "deepspeed"
     flag = "deepspeed"
+    library = "deepspeed"
+    install = INSTALL
 
     @classmethod
     def prepare_arguments(cls, args) -> None:
