@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainer_ext-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast test-oldest demo clean gpu-setup gpu-test gpu-bench gpu-check
+.PHONY: setup test test-fast test-without-libraries test-oldest demo clean gpu-setup gpu-test gpu-bench gpu-check
 
 setup: $(STAMP)
 
@@ -25,6 +25,12 @@ test: setup
 # tests/conftest.py fails a test that starts a process without being marked `launch`.
 test-fast: setup
 	$(PY) -m pytest tests -m "not launch and not cuda" $(PYTEST_ARGS)
+
+# The unit subset as on a machine without DeepSpeed, FairScale and the MiniLM package (hidden by
+# tests/scripts/without_libraries/sitecustomize.py): the markers must deselect what needs them, cleanly (~2 min).
+test-without-libraries: setup
+	PYTHONPATH=tests/scripts/without_libraries $(PY) -m pytest tests \
+		-m "not launch and not cuda and not deepspeed and not fairscale and not model_package" $(PYTEST_ARGS)
 
 # The lowest versions setup.py admits (constraints/oldest.txt) in their own .venv-oldest, and the smoke subset marked
 # `oldest` in tests/: one DDP, one ZeRO-2, one `simple` and two resume runs, plus the unit tests that catch a Trainer

@@ -167,6 +167,12 @@ def deepspeed_accepts():
 @pytest.fixture(autouse=True)
 def _no_world_size_env(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    before = {key for key in os.environ if key.startswith("ACCELERATE_")}
+    yield
+    # transformers sets ACCELERATE_USE_DEEPSPEED around PartialState() and leaves it set when that raises: every later
+    # TrainingArguments in this process would then build a DeepSpeed plugin.
+    for key in [key for key in os.environ if key.startswith("ACCELERATE_") and key not in before]:
+        del os.environ[key]
 
 
 def requires_cuda(test):

@@ -28,6 +28,7 @@ def test_sharded_ddp_valid_options(value, expected):
     assert parse_sharded_ddp(value) == expected
 
 
+@pytest.mark.fairscale
 def test_sharded_ddp_simple_in_arguments(tmp_path):
     """The commonest v4 flag, --sharded_ddp simple, must parse to the option list the FairScale backend reads."""
     assert ExtTrainingArguments(output_dir=str(tmp_path), sharded_ddp="simple").sharded_ddp == ["simple"]

@@ -82,6 +82,8 @@ def test_gpu_rows_have_mfu_from_the_model_shape_and_ratios_to_plain(tmp_path):
     assert (tmp_path / "gpu.png").stat().st_size > 10_000
 
 
+@pytest.mark.fairscale
+@pytest.mark.deepspeed
 def test_gpu_benchmark_keeps_its_time_budget(tmp_path):
     """A row that would end after --budget_minutes is listed as not run: `make gpu-check` ends in time on any GPU."""
     assert gpu.main(["--allow_cpu", "--budget_minutes", "0", "--only", "plain", "simple", "--results",
@@ -104,6 +106,7 @@ def test_gpu_benchmark_runs_and_reports_a_failing_row(tmp_path):
     assert (tmp_path / "gpu.png").is_file()
 
 
+@pytest.mark.deepspeed
 def test_zero3_tuning_rows_are_configs_deepspeed_accepts(deepspeed_accepts):
     """The stage-3 settings a GPU session measures to choose the defaults: a row DeepSpeed (or our translator) rejects,
     or one that changes nothing, would waste the GPU's time and decide nothing."""

@@ -26,6 +26,7 @@ def deepspeed_parses(value: str) -> bool:
             TORCH_CUDA_ARCH_LIST=saved)
 
 
+@pytest.mark.deepspeed
 @pytest.mark.parametrize("value,expected", [
     ("9.0a", "9.0"), ("8.0;9.0a+PTX", "8.0;9.0+PTX"), ("7.5 8.6 9.0a", "7.5;8.6;9.0"), ("10.0f;12.0a", "10.0;12.0"),
     ("8.0; 9.0a ", "8.0;9.0"),
@@ -37,6 +38,7 @@ def test_letter_suffixes_are_dropped_so_deepspeed_can_build(value, expected):
     assert deepspeed_parses(expected)
 
 
+@pytest.mark.deepspeed
 @pytest.mark.parametrize("value", ["8.0;9.0", "8.6+PTX", "9.0 10.0"])
 def test_values_deepspeed_reads_are_left_alone(value):
     """A TORCH_CUDA_ARCH_LIST that DeepSpeed already builds with must not be rewritten or warned about."""
@@ -63,6 +65,7 @@ def test_normalised_for_the_process_and_said_once(caplog):
     assert [r.getMessage() for r in caplog.records].count(note) <= 1  # once per process, main process only
 
 
+@pytest.mark.deepspeed
 def test_a_bad_value_stops_argument_parsing_with_exit_2_on_gpu_ranks(tmp_path, monkeypatch, capsys):
     """A user's environment mistake is one line and exit status 2, before any model exists. The check runs where
     DeepSpeed builds CUDA ops: this machine has no GPU, so the arguments are told the ranks are not CPU ranks."""

@@ -8,6 +8,8 @@ import pytest
 from trainer_ext.deepspeed_config import DeepSpeedConfigError, PRESETS, explain, iter_fields, resolve_deepspeed_config
 from trainer_ext.deepspeed_config.keys import ZERO3_DEFAULTS
 
+pytestmark = pytest.mark.deepspeed  # every test here runs DeepSpeed's own parser or engine
+
 FILES = [None, *sorted(PRESETS)]
 PRECISIONS = {"fp32": {}, "fp16": {"fp16": True}, "bf16": {"bf16": True}}
 SCHEDULERS = ["linear", "cosine", "constant_with_warmup", "constant", "polynomial"]

@@ -35,6 +35,7 @@ def copied_experiment(tmp_path, values, name="copy"):
     return path
 
 
+@pytest.mark.deepspeed
 @pytest.mark.oldest
 def test_every_shipped_experiment_validates_and_every_task_has_one():
     """A shipped example that no longer validates (renamed flag, moved data) would fail users on first try."""
@@ -72,6 +73,7 @@ def test_unknown_task_and_missing_data_file_are_named(tmp_path):
         load_experiment(values)
 
 
+@pytest.mark.deepspeed
 def test_hyperparameter_sections_reach_the_training_arguments():
     """optimizer/scheduler sections become the flags ExtTrainer builds them from; config kwargs reach the model."""
     experiment = load_experiment(REPO / "experiments" / "classification.yaml")
@@ -92,6 +94,7 @@ def test_two_backends_are_refused_before_training():
         load_experiment(values, folder=EXPERIMENTS)
 
 
+@pytest.mark.deepspeed
 def test_values_are_read_as_the_types_their_fields_have():
     """PyYAML reads `lr: 5e-5` (no dot) as a string: it would pass validation and crash at the optimizer."""
     assert yaml.safe_load("lr: 5e-5") == {"lr": "5e-5"}
@@ -130,6 +133,7 @@ def test_wrong_types_in_the_file_and_the_flags_are_named_all_at_once():
                          "--do_eval: expected true or false, got 'maybe'"]
 
 
+@pytest.mark.fairscale
 def test_flags_override_the_file():
     """`trainer-ext train exp.yaml --max_steps 5 ...` must train what the flags say, keeping the file's other values."""
     flags = ["--max_steps", "5", "--learning_rate", "1e-4", "--output_dir", "elsewhere", "--sharded_ddp", "simple",
@@ -143,6 +147,7 @@ def test_flags_override_the_file():
     assert experiment.resolved()["training"]["learning_rate"] == 1e-4
 
 
+@pytest.mark.deepspeed
 def test_relative_paths_are_relative_to_the_experiment_file(tmp_path, monkeypatch):
     """A copied experiment file (and the shipped ones) must work from any current directory."""
     values = shipped("classification")
@@ -290,6 +295,7 @@ def test_a_copied_experiment_trains_from_another_folder_with_flags(tmp_path):
     assert not (project / "output").exists()  # the file's output_dir, overridden
 
 
+@pytest.mark.deepspeed
 @pytest.mark.oldest
 def test_data_from_a_local_dataset_folder(tmp_path):
     """data.dataset_name: datasets.load_dataset on a folder of split files, instead of naming each file."""

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from trainer_ext import deepspeed_config as dc
 
 
@@ -11,6 +13,7 @@ def model_keys(model):
     return set(fields) | {f.alias for f in fields.values() if f.alias}
 
 
+@pytest.mark.deepspeed
 def test_known_top_level_keys_cover_every_key_deepspeed_reads(deepspeed_accepts):
     """A key DeepSpeed reads but we call unknown would block a valid config."""
     seen = set()
@@ -34,6 +37,7 @@ def test_known_top_level_keys_cover_every_key_deepspeed_reads(deepspeed_accepts)
     assert seen - dc.KNOWN_TOP_LEVEL_KEYS - set(dc.REMOVED_TOP_LEVEL_KEYS) == set()
 
 
+@pytest.mark.deepspeed
 def test_section_keys_equal_deepspeed_models():
     """Key lists behind DeepSpeed's would block valid ZeRO/fp16/bf16 keys or let ones it ignores pass silently."""
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
@@ -44,6 +48,7 @@ def test_section_keys_equal_deepspeed_models():
     assert dc.BF16_KEYS == model_keys(DeepSpeedBF16Config)
 
 
+@pytest.mark.deepspeed
 def test_removed_keys_cover_deepspeed_removals():
     """A block DeepSpeed removed (amp, elasticity, ...) must be refused up front, saying what replaces it."""
     from deepspeed.runtime import config
@@ -51,6 +56,7 @@ def test_removed_keys_cover_deepspeed_removals():
     assert set(config._REMOVED_TOP_LEVEL_CONFIG_KEYS) <= set(dc.REMOVED_TOP_LEVEL_KEYS)
 
 
+@pytest.mark.launch
 def test_translator_imports_without_torch_or_deepspeed():
     """Config rendering must work on a login node with neither installed."""
     code = ("import sys\n"
@@ -66,6 +72,7 @@ def test_translator_imports_without_torch_or_deepspeed():
     assert "pure ok" in out.stdout
 
 
+@pytest.mark.deepspeed
 def test_optimizer_names_equal_deepspeeds_and_torchs():
     """optimizer.type is checked against these lists before training: a list behind DeepSpeed's or torch's would
     refuse an optimizer DeepSpeed builds, or let through one it asserts on when the engine starts."""

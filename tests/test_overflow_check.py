@@ -63,6 +63,7 @@ def snapshot(model):
     return fp32 + moments + [p.detach().clone() for p in model.module.parameters()]
 
 
+@pytest.mark.deepspeed
 def test_norm_decides_overflow_and_the_scan_is_gone(scans):
     """bf16: a non-finite gradient skips the step, leaving weights, masters and Adam moments as they were, and no
     per-parameter scan runs. Fails if DeepSpeed renames check_overflow or stops testing the norm in step()."""
@@ -80,6 +81,7 @@ def test_norm_decides_overflow_and_the_scan_is_gone(scans):
     assert scans == []
 
 
+@pytest.mark.deepspeed
 def test_deepspeed_scans_every_parameter_without_us(scans):
     """The control: DeepSpeed's own bf16 default does scan (one call per gradient per step), so the test above
     measures a real removal; if DeepSpeed stops scanning, this fails and the replacement can go."""
@@ -89,6 +91,7 @@ def test_deepspeed_scans_every_parameter_without_us(scans):
     assert len(scans) == parameters
 
 
+@pytest.mark.deepspeed
 def test_check_grad_overflow_false_in_the_file_is_kept_and_reported(one_rank):
     """A value the user wrote is kept, and its consequence (no detection at all under bf16) is said."""
     from trainer_ext.backends.deepspeed import check_overflow_by_norm

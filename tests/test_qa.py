@@ -158,6 +158,7 @@ def squad_rows(tmp_path, name):
     return load_squad(REPO / "data" / "qa" / name, cache_dir=str(tmp_path / "cache"))
 
 
+@pytest.mark.model_package
 def test_features_overlap_and_label_the_answer_tokens(tokenizer, tmp_path):
     """Long contexts would be truncated instead of split with doc_stride overlap, or labels would miss the answer."""
     examples = squad_rows(tmp_path, "validation_v2.json")[:20]
@@ -189,6 +190,7 @@ def test_features_overlap_and_label_the_answer_tokens(tokenizer, tmp_path):
     assert unanswerable and all(validation["start_positions"][i] == 0 for i in unanswerable)
 
 
+@pytest.mark.model_package
 @pytest.mark.parametrize("name, v2", [("validation.json", False), ("validation_v2.json", True)])
 def test_perfect_logits_score_100_on_the_shipped_set(tokenizer, tmp_path, name, v2):
     """Preparation and post-processing would disagree (offsets, CLS, null answers): label logits must score 100."""

@@ -309,6 +309,7 @@ def test_job_places_model_checkpoints_and_tensorboard(in_job, monkeypatch):
     assert sagemaker.checkpoints_to_keep(1) == 2 and sagemaker.checkpoints_to_keep(3) == 3
 
 
+@pytest.mark.fairscale
 def test_hyperparameters_as_the_toolkit_passes_them(in_job):
     """`--do_train True`, a list as str() of it (JSON for numbers, Python quotes for strings) would be misread."""
     args = parse(["--do_train", "True", "--class_weights", "[1.0, 3.0]", "--sharded_ddp", "['simple']",

@@ -57,6 +57,7 @@ FLAG_SETS = [
 ]
 
 
+@pytest.mark.deepspeed
 @pytest.mark.parametrize("flags", FLAG_SETS)
 @pytest.mark.parametrize("world_size", [1, 2, 8])
 def test_all_auto_config_matches_transformers_auto_fill(tmp_path, flags, world_size):
@@ -116,6 +117,7 @@ SCHEDULES = [
 ]
 
 
+@pytest.mark.deepspeed
 @pytest.mark.parametrize("flags", SCHEDULES)
 def test_deepspeed_schedule_equals_transformers_every_step(flags):
     """The learning rate at every step must be transformers' for the same flags (DeepSpeed's default is log warmup)."""
@@ -141,6 +143,7 @@ def test_schedules_deepspeed_cannot_express_are_left_to_transformers(flags):
     assert any("left to the Trainer" in note for note in resolution.notes)
 
 
+@pytest.mark.deepspeed
 def test_deepspeed_cosine_really_differs_from_transformers():
     """Why cosine is left to transformers: DeepSpeed's WarmupCosineLR never reaches the peak rate."""
     params = {"total_num_steps": 50, "warmup_num_steps": 10, "warmup_type": "linear", "warmup_min_ratio": 0,

@@ -54,6 +54,7 @@ def runs(tmp_path_factory):
     return root
 
 
+@pytest.mark.model_package
 def test_bleu_metric_matches_sacrebleu():
     """If this fails, reported BLEU is not sacrebleu's corpus BLEU of the decoded texts (or -100 leaks into them)."""
     import sacrebleu

@@ -306,6 +306,7 @@ def test_a_flag_typed_at_its_default_conflicts_with_the_file(tmp_path, case):
     assert flag in untyped.effective_flags  # nothing typed: the file's value is taken, as before
 
 
+@pytest.mark.deepspeed
 def test_keyword_arguments_from_python_count_as_typed(tmp_path, monkeypatch):
     """ExtTrainingArguments(per_device_train_batch_size=8, deepspeed=...) from a script must not train on 50."""
     from trainer_ext import ExtTrainingArguments

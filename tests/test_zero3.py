@@ -21,6 +21,7 @@ HIDDEN = 384  # MiniLM's
 
 # -- the translator, checked by DeepSpeed's own parser ---------------------------------------------------------------
 
+@pytest.mark.deepspeed
 @pytest.mark.parametrize("preset", ["zero3", "zero3_offload"])
 @pytest.mark.parametrize("precision", [{}, {"bf16": True}])
 def test_presets_resolve_to_what_deepspeed_parses_as_stage_3(deepspeed_accepts, preset, precision):
@@ -39,6 +40,7 @@ def test_presets_resolve_to_what_deepspeed_parses_as_stage_3(deepspeed_accepts, 
         assert zero.offload_param.device == zero.offload_optimizer.device == "cpu"
 
 
+@pytest.mark.deepspeed
 def test_stage_3_fields_wait_for_the_model_then_explain_says_why(deepspeed_accepts):
     """Without a model the hidden-size fields must stay pending (not DeepSpeed's defaults baked in), be filled from
     the model when training starts, and --explain must name the rule and what ZeRO-3 costs."""
@@ -53,6 +55,7 @@ def test_stage_3_fields_wait_for_the_model_then_explain_says_why(deepspeed_accep
     assert "0.18x plain samples/s" in text and "trainer-ext plan" in text
 
 
+@pytest.mark.deepspeed
 def test_legacy_and_misplaced_stage_3_keys(deepspeed_accepts):
     """Deprecated stage-3 keys and the unprefixed spellings must be migrated (DeepSpeed would warn or keep both),
     stage-3-only keys at stage 2 named as ignored, and a top-level stage-3 key pointed to its section."""
@@ -80,6 +83,7 @@ def test_legacy_and_misplaced_stage_3_keys(deepspeed_accepts):
                                  world_size=2, num_training_steps=10)
 
 
+@pytest.mark.deepspeed
 def test_a_written_value_is_kept_and_false_consolidation_is_said(deepspeed_accepts):
     """The user's stage-3 values stay theirs; turning the consolidated save off is allowed but its consequence said."""
     written = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1000,
@@ -92,6 +96,7 @@ def test_a_written_value_is_kept_and_false_consolidation_is_said(deepspeed_accep
 
 # -- training on 2 ranks ---------------------------------------------------------------------------------------------
 
+@pytest.mark.deepspeed
 def test_module_granularity_is_refused_on_cpu_ranks_only(deepspeed_accepts):
     """DeepSpeed 0.19.8's stage-3 zero_grad calls record_stream on CPU gradients when
     stage3_module_granularity_threshold > 0 ("unknown parameter type" at the first step, measured on 2 CPU ranks): a
@@ -375,6 +380,7 @@ def test_sharded_loading_is_public_and_a_no_op_elsewhere():
     assert out.returncode == 0 and "ok None" in out.stdout, out.stderr[-2000:]
 
 
+@pytest.mark.deepspeed
 @pytest.mark.parametrize("shard", [None, "20KB"])
 def test_consolidated_weights_load_into_a_model_built_whole(tmp_path, shard):
     """A finished ZeRO-3 run started again from an own script whose model was built whole (no zero.Init): every

@@ -217,6 +217,8 @@ class ExtTrainingArguments(TrainingArguments):
             raise ArgumentsError("\n".join(problems))
         self.deepspeed_resolution = None  # set by the DeepSpeed backend: the config resolved against these flags
         backend_class(self).prepare_arguments(self)
+        if missing := backend_class(self).missing_library(self):  # before transformers or accelerate import it
+            raise ArgumentsError(missing)
         check_fp16_device(self.fp16, torch.cuda.is_available(), from_deepspeed_file=False)
         self.check_output_dir()
         self.check_paths()

@@ -17,6 +17,8 @@ class Backend:
     name = "ddp"
     flag: str | None = None  # the argument that selects this backend (None: the default when none is selected)
     owned_flags: tuple[str, ...] = ()  # every argument this backend reads (the selecting one first)
+    library: str | None = None  # the module this backend needs installed, and how to install it
+    install = ""
     # Parameter sharding: the model is wrapped before the optimizer, which is built on the shards.
     wraps_before_optimizer = False
     # Glob patterns of the files or folders holding this backend's own training state in a checkpoint folder (what a
@@ -28,6 +30,15 @@ class Backend:
     def prepare_environment(cls) -> None:
         """Called for every registered backend, selected or not, before transformers or accelerate import anything:
         what this backend's library needs in the process environment merely by being installed."""
+
+    @classmethod
+    def missing_library(cls, args) -> str | None:
+        """One line when this backend's library is not installed (before transformers or accelerate import it)."""
+        import importlib.util
+
+        if cls.library and importlib.util.find_spec(cls.library) is None:
+            return f"{cls.given_as(args)} needs {cls.library}, which is not installed: {cls.install}"
+        return None
 
     @classmethod
     def selected(cls, args) -> bool:

@@ -27,6 +27,8 @@ MAX_CONSECUTIVE_NONFINITE = 10
 class DeepSpeedBackend(Backend):
     name = "deepspeed"
     flag = "deepspeed"
+    library = "deepspeed"
+    install = INSTALL
     checkpoint_state = ("global_step*",)  # the engine's own checkpoint: ZeRO shards, also without consolidated weights
 
     @classmethod

@@ -22,6 +22,8 @@ SHARDED_DDP_BUCKET = 2 ** 23
 class FairScaleBackend(Backend):
     name = "fairscale"
     flag = "sharded_ddp"
+    library = "fairscale"
+    install = INSTALL
 
     @classmethod
     def given_as(cls, args) -> str:
