@@ -160,6 +160,15 @@ class FSDPBackend(Backend):
         return (bool(value) and value != "false") or getattr(args, "fsdp_settings", None) is not None
 
     @classmethod
+    def missing_library(cls, args) -> str | None:
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401 (public from torch 2.6)
+        except ImportError:
+            return (f"{cls.given_as(args)} needs torch's fully_shard (FSDP2, torch >= 2.6), which this torch lacks: "
+                    f"{INSTALL}")
+        return None
+
+    @classmethod
     def given_as(cls, args) -> str:
         return " ".join(["--fsdp", *fsdp_words(args.fsdp)])
 
@@ -215,10 +224,8 @@ class FSDPBackend(Backend):
         self.optimizer_file = None  # what transformers' optimizer file holds (OptimizerFile)
 
     def check(self, args) -> None:
-        try:
-            from torch.distributed.fsdp import fully_shard  # noqa: F401 (public from torch 2.6)
-        except ImportError:
-            raise ImportError(f"--fsdp needs torch's fully_shard (FSDP2, torch >= 2.6): {INSTALL}") from None
+        if missing := type(self).missing_library(args):  # stock TrainingArguments did not ask
+            raise ArgumentsError(missing)
         if self.settings is None:  # stock TrainingArguments: transformers normalised the flags into fsdp_config
             settings, _, problems = resolve_settings(args.fsdp, args.fsdp_config)
             if problems:
