@@ -3,7 +3,6 @@ Trainer itself is the oracle where it applies. The same promises on 2 ranks are 
 
 import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import (BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments)
 
+from conftest import run  # a clean environment: an in-process ZeRO test leaves RANK/MASTER_PORT set
 from trainer_ext import ExtTrainer, ExtTrainingArguments
 from trainer_ext.checkpoint import CheckpointNotFoundError, damage, publish
 from trainer_ext.errors import UserError
@@ -108,8 +108,7 @@ def test_a_checkpoint_an_earlier_process_wrote_is_resumed(tmp_path, caplog):
     other side of the same-process rule)."""
     code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import test_trainer_promises as t; "
             "t.trained(sys.argv[3], max_steps=2)")
-    done = subprocess.run([sys.executable, "-c", code, str(ROOT), str(ROOT / "tests"), str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=300)
+    done = run([sys.executable, "-c", code, ROOT, ROOT / "tests", tmp_path / "run"], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     with caplog.at_level(logging.WARNING):
         trainer, outcome = trained(tmp_path / "run")
@@ -193,8 +192,7 @@ def test_user_errors_are_catchable_and_uncaught_exit_2_in_one_line(tmp_path):
     script = tmp_path / "script.py"
     script.write_text("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import test_trainer_promises as t; "
                       "t.trained(sys.argv[3], resume=sys.argv[3] + '/bogus')\n")
-    done = subprocess.run([sys.executable, script, str(ROOT), str(ROOT / "tests"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+    done = run([sys.executable, script, ROOT, ROOT / "tests", tmp_path], timeout=300)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.count(f"Can't find a valid checkpoint at {tmp_path}/bogus") == 1  # the stock Trainer's words

@@ -103,6 +103,11 @@ def flag_problems(args) -> list[str]:
     if getattr(args, "use_cpu", False) and args.fp16:  # whatever this machine has: a preview says it too
         problems.append("--fp16 with --use_cpu: fp16 needs a CUDA device and --use_cpu trains on the CPU; use --bf16 "
                         "(or fp32) on CPU, or drop --use_cpu")
+    given = getattr(args, "flags_given", None) or ()
+    if {"warmup_steps", "warmup_ratio"} <= set(given) and args.warmup_ratio and not args.warmup_steps:
+        # --warmup_steps 0 typed beside a ratio: two answers to one question, whichever value the steps have
+        problems.append(f"--warmup_ratio {args.warmup_ratio} and --warmup_steps {args.warmup_steps:g} both set the "
+                        "warmup: give only one")
     args.warmup_steps = checked(merge_warmup_ratio, args.warmup_steps, args.warmup_ratio, otherwise=args.warmup_steps)
     args.class_weights = checked(parse_class_weights, args.class_weights)
     args.checkpoint_storage_options = checked(parse_storage_options, args.checkpoint_storage_options, otherwise={})
