@@ -21,7 +21,7 @@ from .backends.fairscale import OPTIONS as SHARDED_DDP_OPTIONS
 from .deepspeed_config import FLAG_RANGES, out_of_range
 from .checkpoint import CheckpointNotFoundError
 from .errors import ArgumentsError, UserError, closest, debugging, main_process
-from .runtime import check_rank_variables, prepare_cpu_ranks, quiet_deepspeed_on_cpu_machines
+from .runtime import check_fp16_device, check_rank_variables, prepare_cpu_ranks, quiet_deepspeed_on_cpu_machines
 from .sagemaker import parse_list
 from .sagemaker import prepare_arguments as prepare_sagemaker
 from .sagemaker import spread_lists
@@ -31,14 +31,6 @@ logger = logging.getLogger(__name__)
 
 FP16_BACKENDS = ("auto", "amp", "apex")
 FP16_OPT_LEVELS = ("O0", "O1", "O2", "O3")
-
-
-def check_fp16_device(fp16: bool, cuda_available: bool, from_deepspeed_file: bool) -> None:
-    if fp16 and not cuda_available:
-        raise ArgumentsError(
-            "fp16 needs a CUDA device and this machine has none: use --bf16 (or fp32) on CPU"
-            + (" — fp16 comes from the DeepSpeed file's fp16.enabled: set it to \"auto\" (or use "
-               "--deepspeed zero2_minimal)" if from_deepspeed_file else ""))
 
 
 def check_fp16_backend(backend: str, opt_level: str) -> None:

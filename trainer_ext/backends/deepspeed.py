@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..deepspeed_config import finish_deepspeed_config, resolve_deepspeed_config
 from ..deepspeed_config.keys import ZERO3_COST
-from .base import Backend
+from .base import Backend, BackendFormula
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,6 @@ class DeepSpeedBackend(Backend):
 
     @classmethod
     def memory_formulas(cls, mixed: bool) -> list:
-        from ..planner import BackendFormula
 
         # 16-bit params/grads in mixed precision; DeepSpeed keeps an fp32 master partition even in fp32 training, so
         # its sharded optimizer state is 12 bytes per parameter either way (4 master + 8 for Adam's moments).
@@ -405,7 +404,7 @@ def apply_resolution(args, resolution) -> None:
     that enables fp16 needs CUDA as --fp16 does."""
     import torch
 
-    from ..args import check_fp16_device
+    from ..runtime import check_fp16_device
 
     for flag, value in resolution.effective_flags.items():
         setattr(args, flag, value)
