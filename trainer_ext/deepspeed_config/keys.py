@@ -167,7 +167,7 @@ HIDDEN_SIZE_AUTO = {
 # ZeRO-3 fields filled when a file leaves them out or says "auto" (a value the user wrote is kept): key -> (value,
 # why); "auto" here means "from the model's hidden size" (HIDDEN_SIZE_AUTO). The rest stay DeepSpeed's own defaults
 # (stage3_max_live_parameters and stage3_max_reuse_distance 1e9, sub_group_size 1e9, overlap_comm on): the same as
-# transformers' documented ZeRO-3 template. Tuning them for speed needs a GPU measurement (README, ZeRO-3).
+# transformers' documented ZeRO-3 template. Tuning them for speed needs a GPU measurement (docs/deepspeed.md, ZeRO-3).
 ZERO3_DEFAULTS = {
     **dict.fromkeys(("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"),
                     ("auto", "sized from the model's hidden size h (transformers' rule)")),
