@@ -99,7 +99,7 @@ NESTED_HOME: dict[str, str] = {
 }
 
 # optimizer.type values DeepSpeed 0.19 builds: its own (any case; deepspeed/runtime/config.py DEEPSPEED_OPTIMIZERS) or a
-# torch.optim class by its exact name (engine._is_supported_optimizer); tests/test_key_tables.py checks both lists.
+# torch.optim class by its exact name (engine._is_supported_optimizer); tests/integration/test_key_tables.py checks both lists.
 DEEPSPEED_OPTIMIZER_NAMES = ("Adagrad", "Adam", "AdamW", "Lamb", "MuAdam", "MuAdamW", "MuSGD", "Lion", "Muon")
 DEEPSPEED_OPTIMIZERS = frozenset(name.lower() for name in DEEPSPEED_OPTIMIZER_NAMES)
 TORCH_OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "Muon", "NAdam",

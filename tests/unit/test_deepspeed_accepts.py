@@ -125,7 +125,7 @@ def test_zero_defaults_by_where_the_ranks_run(deepspeed_accepts, config, where, 
 
 def test_zero_values_the_user_wrote_are_kept(deepspeed_accepts):
     """A value in the file is the user's on any device; offload keeps contiguous gradients (DeepSpeed needs them);
-    ZeRO-3 gets its own fields (tests/test_zero3.py), none of the ZeRO-1/2 ones tuned here."""
+    ZeRO-3 gets its own fields (tests/integration/test_zero3.py), none of the ZeRO-1/2 ones tuned here."""
     written = {"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_scatter": True,
                                      "contiguous_gradients": True}}
     for cpu_ranks in (True, False):
@@ -148,7 +148,7 @@ def test_zero_values_the_user_wrote_are_kept(deepspeed_accepts):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_keeps_skipping_nonfinite_steps(deepspeed_accepts, precision):
     """bf16 keeps DeepSpeed's check_grad_overflow on and fp16 its dynamic loss scale (a non-finite norm skips the
-    step; trainer_ext drops only the per-parameter scan, see tests/test_overflow_check.py); the log and --explain say
+    step; trainer_ext drops only the per-parameter scan, see tests/integration/test_overflow_check.py); the log and --explain say
     so."""
     resolution = resolve_deepspeed_config({precision: True}, {}, world_size=1, num_training_steps=10)
     parsed = deepspeed_accepts(resolution.config, 1)

@@ -18,7 +18,9 @@ from trainer_ext.errors import UserError
 
 pytestmark = pytest.mark.oldest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+# what a child process needs on sys.path to import this module: the package, tests/ (conftest) and this folder
+IMPORTABLE = ":".join(str(path) for path in (ROOT, ROOT / "tests", Path(__file__).resolve().parent))
 ROWS = 64
 
 
@@ -106,9 +108,9 @@ def test_a_second_train_in_the_same_process_trains_as_the_stock_trainer(tmp_path
 def test_a_checkpoint_an_earlier_process_wrote_is_resumed(tmp_path, caplog):
     """Fails when the automatic resume of a restarted command stops picking up what an earlier process wrote (the
     other side of the same-process rule)."""
-    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import test_trainer_promises as t; "
-            "t.trained(sys.argv[3], max_steps=2)")
-    done = run([sys.executable, "-c", code, ROOT, ROOT / "tests", tmp_path / "run"], timeout=300)
+    code = ("import sys; sys.path[:0] = sys.argv[1].split(':'); import test_trainer_promises as t; "
+            "t.trained(sys.argv[2], max_steps=2)")
+    done = run([sys.executable, "-c", code, IMPORTABLE, tmp_path / "run"], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     with caplog.at_level(logging.WARNING):
         trainer, outcome = trained(tmp_path / "run")
@@ -190,9 +192,9 @@ def test_user_errors_are_catchable_and_uncaught_exit_2_in_one_line(tmp_path):
         caught = err
     assert isinstance(caught, CheckpointNotFoundError) and "no such folder" in str(caught)
     script = tmp_path / "script.py"
-    script.write_text("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import test_trainer_promises as t; "
-                      "t.trained(sys.argv[3], resume=sys.argv[3] + '/bogus')\n")
-    done = run([sys.executable, script, ROOT, ROOT / "tests", tmp_path], timeout=300)
+    script.write_text("import sys; sys.path[:0] = sys.argv[1].split(':'); import test_trainer_promises as t; "
+                      "t.trained(sys.argv[2], resume=sys.argv[2] + '/bogus')\n")
+    done = run([sys.executable, script, IMPORTABLE, tmp_path], timeout=300)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.count(f"Can't find a valid checkpoint at {tmp_path}/bogus") == 1  # the stock Trainer's words

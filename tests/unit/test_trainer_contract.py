@@ -10,6 +10,7 @@ import torch
 from transformers import Trainer
 
 import transformers.trainer
+from conftest import REPO
 from trainer_ext import ExtTrainer
 from trainer_ext.private_hooks import PrivateTrainerHooks
 
@@ -99,7 +100,7 @@ def test_private_overrides_are_the_four_in_their_module():
     assert ours == PRIVATE_OVERRIDES
     assert {name for name in vars(PrivateTrainerHooks) if not name.startswith("__")} == PRIVATE_OVERRIDES
     assert not PRIVATE_OVERRIDES & set(vars(ExtTrainer))
-    readme = (__import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "versions.md").read_text()
+    readme = (REPO / "docs" / "versions.md").read_text()
     assert all(f"`{name}`" in readme for name in PRIVATE_OVERRIDES)
 
 

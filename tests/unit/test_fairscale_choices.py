@@ -1,6 +1,6 @@
 """FairScale's CUDA-only modes (FSDP: zero_dp_2/zero_dp_3, offload) pinned on a CPU machine: the arguments FSDP gets,
 the optimizer it steps under fp16, the gradient dtypes that optimizer sees, and where the Trainer leaves the model.
-Each choice fixes a failure measured on an H100; tests/test_cuda.py runs them for real where a GPU is present."""
+Each choice fixes a failure measured on an H100; tests/integration/test_cuda.py runs them for real where a GPU is present."""
 
 from types import SimpleNamespace
 
