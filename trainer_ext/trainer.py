@@ -268,9 +268,8 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         hold_output_dir(self)  # not the model's own folder, and no other run writing there (output_dir.py)
         try:
             return self.train_in_output_dir(resume_from_checkpoint, **kwargs)
-        except BaseException:
-            release_output_dir(self)  # a failed run (a bad checkpoint path too) leaves output_dir to the next at once
-            raise
+        finally:  # the lock guards a training run, ended or failed: no file of ours is left among the outputs
+            release_output_dir(self)
 
     def train_in_output_dir(self, resume_from_checkpoint, **kwargs):
         """train() once this process holds output_dir's lock."""

@@ -58,6 +58,8 @@ def test_best_checkpoint_is_recorded_by_its_published_path_and_survives_rotation
     ours, _ = trained(tmp_path / "ours", **flags)
     assert stock.state.best_model_checkpoint == str(tmp_path / "stock" / "checkpoint-8")
     assert ours.state.best_model_checkpoint == str(tmp_path / "ours" / "checkpoint-8")
+    # the same entries as the stock Trainer's (transformers' tests count them): no lock or staging folder left
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted(p.name for p in (tmp_path / "stock").iterdir())
     folders = sorted(p.name for p in (tmp_path / "ours").iterdir() if p.name.startswith("checkpoint-"))
     assert folders == sorted(p.name for p in (tmp_path / "stock").iterdir() if p.name.startswith("checkpoint-")) \
         == ["checkpoint-16", "checkpoint-8"]

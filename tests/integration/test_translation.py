@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import BIN, PYTHON, REPO, free_port, run
+from conftest import BIN, PYTHON, REPO, free_port, run, tiny_bart_config
 
 TRANSLATION = REPO / "examples" / "run_translation.py"
 EVAL_SAMPLES = 19  # odd, and 5 batches of 4 on 2 ranks: accelerate pads the last one with repeated samples
@@ -117,14 +117,6 @@ def test_two_ranks_generate_what_one_process_generates(runs, backend):
     # after training, evaluation generates through the backend's trained model
     assert len(generated(launched, "generated_eval.txt")) == EVAL_SAMPLES
     assert results(launched, "eval")["eval_bleu"] == pytest.approx(bleu_of(launched, "generated_eval.txt"), abs=1e-6)
-
-
-def tiny_bart_config(path):
-    from transformers import BartConfig
-
-    BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
-               encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64).to_json_file(path)
-    return path
 
 
 def cache_files(cache):
