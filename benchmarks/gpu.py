@@ -61,7 +61,7 @@ CONFIGS = [
     Config("ZeRO-2, stock Trainer (zero2_auto.json: the anchor)", "stock", "deepspeed",
            ("--deepspeed", "ds_configs/zero2_auto.json"), needs="deepspeed"),
     Config("recipe: plain, ExtTrainer --torch_compile", "ext", "torchrun", ("--torch_compile", "true"),
-           precisions=("bf16",), notes="the README recipe for the highest MFU"),
+           precisions=("bf16",), notes="the docs/gpus.md recipe for the highest MFU"),
     Config("ZeRO-2 + optimizer offload, ExtTrainer (zero2_offload)", "ext", "deepspeed",
            ("--deepspeed", "zero2_offload"), needs="deepspeed"),
     Config("zero_dp_2 offload, ExtTrainer", "ext", "torchrun", ("--sharded_ddp", "zero_dp_2 offload"),

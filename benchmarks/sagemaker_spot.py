@@ -1,5 +1,5 @@
 """A spot interruption of the SageMaker walkthrough job (examples/run_qa.py, pretrained MiniLM, 2 ranks), run by AWS's
-own toolkits under a temporary /opt/ml as tests/test_sagemaker.py does: an uninterrupted job; the same job stopped by
+own toolkits under a temporary /opt/ml as tests/integration/test_sagemaker.py does: an uninterrupted job; the same job stopped by
 SIGTERM to its torchrun a few steps after its first checkpoint; a restart on a new root holding only the synced
 checkpoint folder. Per backend: how long the preemption checkpoint took after the signal, its size, the steps trained
 before and after the stop, and the restart's eval loss against the uninterrupted job's.

@@ -371,3 +371,22 @@ def build_tiny_bert(folder, max_position_embeddings=512):
 def tiny_bert_dir(tmp_path_factory):
     """A user's own small model folder (see build_tiny_bert): read-only for the tests; copy it to change it."""
     return build_tiny_bert(tmp_path_factory.mktemp("tiny-bert") / "model")
+
+
+def tiny_bert(num_labels=2):
+    """A 1-layer BERT classifier from a config (seeded, dropout off) for in-process tests."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, num_labels=num_labels, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(config).eval()
+
+
+def tiny_bart_config(path):
+    from transformers import BartConfig
+
+    BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+               encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64).to_json_file(path)
+    return path

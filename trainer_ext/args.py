@@ -21,7 +21,7 @@ from .backends.fairscale import OPTIONS as SHARDED_DDP_OPTIONS
 from .deepspeed_config import FLAG_RANGES, out_of_range
 from .checkpoint import CheckpointNotFoundError
 from .errors import ArgumentsError, UserError, closest, debugging, main_process
-from .runtime import check_rank_variables, prepare_cpu_ranks
+from .runtime import check_fp16_device, check_rank_variables, prepare_cpu_ranks
 from .sagemaker import parse_list
 from .sagemaker import prepare_arguments as prepare_sagemaker
 from .sagemaker import spread_lists
@@ -31,14 +31,6 @@ logger = logging.getLogger(__name__)
 
 FP16_BACKENDS = ("auto", "amp", "apex")
 FP16_OPT_LEVELS = ("O0", "O1", "O2", "O3")
-
-
-def check_fp16_device(fp16: bool, cuda_available: bool, from_deepspeed_file: bool) -> None:
-    if fp16 and not cuda_available:
-        raise ArgumentsError(
-            "fp16 needs a CUDA device and this machine has none: use --bf16 (or fp32) on CPU"
-            + (" — fp16 comes from the DeepSpeed file's fp16.enabled: set it to \"auto\" (or use "
-               "--deepspeed zero2_minimal)" if from_deepspeed_file else ""))
 
 
 def check_fp16_backend(backend: str, opt_level: str) -> None:
@@ -103,6 +95,11 @@ def flag_problems(args) -> list[str]:
     if getattr(args, "use_cpu", False) and args.fp16:  # whatever this machine has: a preview says it too
         problems.append("--fp16 with --use_cpu: fp16 needs a CUDA device and --use_cpu trains on the CPU; use --bf16 "
                         "(or fp32) on CPU, or drop --use_cpu")
+    given = getattr(args, "flags_given", None) or ()
+    if {"warmup_steps", "warmup_ratio"} <= set(given) and args.warmup_ratio and not args.warmup_steps:
+        # --warmup_steps 0 typed beside a ratio: two answers to one question, whichever value the steps have
+        problems.append(f"--warmup_ratio {args.warmup_ratio} and --warmup_steps {args.warmup_steps:g} both set the "
+                        "warmup: give only one")
     args.warmup_steps = checked(merge_warmup_ratio, args.warmup_steps, args.warmup_ratio, otherwise=args.warmup_steps)
     args.class_weights = checked(parse_class_weights, args.class_weights)
     args.checkpoint_storage_options = checked(parse_storage_options, args.checkpoint_storage_options, otherwise={})

@@ -70,7 +70,7 @@ def train(argv: list[str]) -> int:
                                             "1e-4; paths given as flags are relative to the current directory.")
     parser.add_argument("experiment", help="YAML file with task, hyperparameters, data and a backend")
     parser.add_argument("--check", action="store_true", help="validate only: print the resolved values")
-    args, flags = parser.parse_known_args(argv)
+    args, flags = parser.parse_known_args(experiment_first(argv))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     try:
         experiment = load_experiment(args.experiment, flags)
@@ -87,6 +87,17 @@ def train(argv: list[str]) -> int:
     if experiment.training_args.process_index == 0:
         print(json.dumps(metrics, indent=2, default=str))
     return 0
+
+
+def experiment_first(argv: list[str]) -> list[str]:
+    """The experiment file first: argparse would read `--max_steps 5 exp.yaml`'s 5 as the file, since the task's own
+    flags (which take a value) are unknown to it. One .yaml/.yml word is the file, wherever it stands."""
+    files = [word for word in argv if not word.startswith("-") and word.lower().endswith((".yaml", ".yml"))]
+    if len(files) != 1:
+        return argv
+    rest = list(argv)
+    rest.remove(files[0])
+    return [files[0], *rest]
 
 
 def search(argv: list[str]) -> int:
@@ -112,7 +123,7 @@ def search(argv: list[str]) -> int:
     parser.add_argument("--keep_checkpoints", action="store_true", help="keep every trial's checkpoints and "
                                                                        "weights (default: the best trial's only)")
     parser.add_argument("--check", action="store_true", help="validate only: print the search and a trial's command")
-    args, flags = parser.parse_known_args(argv)
+    args, flags = parser.parse_known_args(experiment_first(argv))
 
     from .search import require_optuna
     from .search.check import validate

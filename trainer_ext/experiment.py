@@ -210,12 +210,33 @@ def with_paths(values: dict, folder: Path | None) -> dict:
     for key, value in values.items():
         if isinstance(value, dict) and key in MODEL_KWARGS.values():
             value = with_paths(value, folder)
+        elif isinstance(value, dict) and key == "deepspeed":
+            value = deepspeed_paths(value, folder)
         elif isinstance(value, str) and _is_path(key, value):
             beside = os.path.normpath(folder / os.path.expanduser(value))
             if key in PATH_FIELDS or os.path.exists(beside) or value.startswith(("./", "../")):
                 value = beside
         resolved[key] = value
     return resolved
+
+
+# Folders a DeepSpeed section names (ZeRO-Infinity's NVMe swap): relative to the experiment file, like its other paths.
+DEEPSPEED_PATHS = (("zero_optimization", "offload_optimizer", "nvme_path"),
+                   ("zero_optimization", "offload_param", "nvme_path"))
+
+
+def deepspeed_paths(section: dict, folder: Path) -> dict:
+    """A copy of a deepspeed section written in the file, its relative nvme_path(s) made relative to `folder`."""
+    import copy
+
+    section = copy.deepcopy(section)
+    for *parents, key in DEEPSPEED_PATHS:
+        block = section
+        for parent in parents:
+            block = block.get(parent) if isinstance(block, dict) else None
+        if isinstance(block, dict) and isinstance(block.get(key), str) and block[key] != "auto":
+            block[key] = os.path.normpath(folder / os.path.expanduser(block[key]))
+    return section
 
 
 def _is_path(key: str, value: str) -> bool:
@@ -241,8 +262,14 @@ def _flags(classes, argv: Sequence[str], problems: list[str]) -> dict:
 
 
 def _build(cls, values: dict, where: str, problems: list[str]):
+    from .deepspeed_config import DeepSpeedConfigError
+
     try:
         return cls(**values)
+    except DeepSpeedConfigError as err:  # from the file's deepspeed section (or --deepspeed), not its hyperparameters
+        file = where.rsplit(": ", 1)[0]
+        problems.append(f"{file}: deepspeed: {str(err).replace('DeepSpeed config (given as a dict): ', '', 1)}")
+        return None
     except (ArgumentsError, ValueError, TypeError) as err:
         problems.append(f"{where}: {err}")
         return None

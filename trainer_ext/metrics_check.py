@@ -63,6 +63,8 @@ def checked_compute_metrics(trainer):
 
     def checked(*args, **kwargs):
         metrics = function(*args, **kwargs)
+        if kwargs.get("compute_result") is False:  # --batch_eval_metrics: a batch's call only accumulates
+            return metrics
         problem = metrics_problem(metrics)
         if problem is None:
             return metrics

@@ -113,7 +113,8 @@ def _stale(output_dir, record: dict) -> bool:
 
 class OutputDirLock:
     """The lock this process holds on one output_dir: taken by the main process before training, touched every
-    HEARTBEAT_S, removed at exit (with the folder, when the run created it and left nothing in it)."""
+    HEARTBEAT_S, removed when train() ends and at exit (with the folder, when the run created it and left nothing
+    in it)."""
 
     _held: dict[Path, "OutputDirLock"] = {}
 
@@ -214,7 +215,7 @@ def hold_output_dir(trainer) -> None:
 
 
 def release_output_dir(trainer) -> None:
-    """Give up this process's lock on the trainer's output_dir now (a run that failed), not at exit."""
+    """Give up this process's lock on the trainer's output_dir: train() returned or failed."""
     lock = OutputDirLock._held.get(Path(trainer.args.output_dir).resolve())
     if lock is not None:
         lock.release()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from .backends import backend_classes
+from .backends.base import BackendFormula
 from .errors import UserError
 
 GIB = 2 ** 30
@@ -33,30 +34,6 @@ class ModelSize:
     hidden_size: int | None = None
     num_layers: int | None = None
     num_heads: int | None = None
-
-
-@dataclass(frozen=True)
-class BackendFormula:
-    """Bytes per parameter held on one rank: each term is (bytes, divided by N?)."""
-    name: str
-    flag: str  # how to select it with trainer_ext
-    params: tuple[float, bool]
-    grads: tuple[float, bool]
-    optimizer: tuple[float, bool]
-    communication: float  # volume per step relative to DDP's all-reduce (ZeRO paper, section 7)
-    host_optimizer: bool = False  # optimizer state and gradient partition live in CPU memory
-    host_params: bool = False  # the parameter partitions live in CPU memory too (ZeRO-3 offload)
-    cuda_only: bool = False
-    note: str = ""
-    preference: int = 0  # the planner recommends the lowest that fits
-    extra: Callable[[int, int], dict] | None = None  # (Ψ, N) -> bytes held beyond the terms, e.g. {"grads": ...}
-
-    def bytes(self, num_parameters: int, world_size: int) -> dict[str, float]:
-        def term(spec):
-            per_param, sharded = spec
-            return num_parameters * per_param / (world_size if sharded else 1)
-
-        return {"params": term(self.params), "grads": term(self.grads), "optimizer": term(self.optimizer)}
 
 
 def formulas(mixed: bool) -> list[BackendFormula]:

@@ -1,6 +1,6 @@
 """The four private Trainer methods ExtTrainer overrides, each because no public hook reaches what it must change;
 everything else ExtTrainer does rides on public hooks (trainer.py). A transformers release that renames or re-signs
-one of these fails tests/test_trainer_contract.py, and README's "Supported versions" lists them with these reasons."""
+one of these fails tests/unit/test_trainer_contract.py, and docs/versions.md lists them with these reasons."""
 
 from __future__ import annotations
 

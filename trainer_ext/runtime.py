@@ -8,7 +8,7 @@ import logging
 import os
 import weakref
 
-from .errors import UserError
+from .errors import ArgumentsError, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -168,3 +168,11 @@ def check_process_group(args) -> None:
     if launched > 1 and args.world_size == 1:
         raise UserError(f"{launched} ranks were launched but this one trains alone (world size 1): on a machine "
                         "without a GPU pass --use_cpu, or use trainer_ext.ExtTrainingArguments, which sets it")
+
+
+def check_fp16_device(fp16: bool, cuda_available: bool, from_deepspeed_file: bool) -> None:
+    if fp16 and not cuda_available:
+        raise ArgumentsError(
+            "fp16 needs a CUDA device and this machine has none: use --bf16 (or fp32) on CPU"
+            + (" — fp16 comes from the DeepSpeed file's fp16.enabled: set it to \"auto\" (or use "
+               "--deepspeed zero2_minimal)" if from_deepspeed_file else ""))

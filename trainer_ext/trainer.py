@@ -265,6 +265,13 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         with `Preempted` (exit status 128 + signal); running the same command again continues exactly."""
         self.training_already_complete, self._resume, self._learning_rate_in_use = None, None, None
         hold_output_dir(self)  # not the model's own folder, and no other run writing there (output_dir.py)
+        try:
+            return self.train_in_output_dir(resume_from_checkpoint, **kwargs)
+        finally:  # the lock guards a training run, ended or failed: no file of ours is left among the outputs
+            release_output_dir(self)
+
+    def train_in_output_dir(self, resume_from_checkpoint, **kwargs):
+        """train() once this process holds output_dir's lock."""
         self.checkpoints.open_remote()
         self.checkpoints.clear_staging()
         # No model yet: model_init builds it inside train() (hyperparameter_search drops it between trials).
@@ -287,9 +294,6 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self.preemption.install()
         try:
             result = super().train(resume_from_checkpoint=checkpoint, **kwargs)
-        except BaseException:
-            release_output_dir(self)  # a failed run leaves output_dir to the next one at once
-            raise
         finally:
             self.preemption.uninstall()
             self.checkpoints.wait()  # a preempted run's last checkpoint too

@@ -6,6 +6,8 @@ flags, checks and memory formulas on a machine without them."""
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Callable
 
 
 class Backend:
@@ -79,7 +81,7 @@ class Backend:
 
     @classmethod
     def memory_formulas(cls, mixed: bool) -> list:
-        """The planner's rows (planner.BackendFormula) for the settings this backend runs."""
+        """The planner's rows (BackendFormula, below) for the settings this backend runs."""
         return []
 
     def __init__(self, args=None):
@@ -172,3 +174,27 @@ class Backend:
 
     def teardown(self) -> None:
         """At exit, after the process group is gone: clean up what this backend leaves on the machine."""
+
+
+@dataclass(frozen=True)
+class BackendFormula:
+    """Bytes per parameter held on one rank: each term is (bytes, divided by N?)."""
+    name: str
+    flag: str  # how to select it with trainer_ext
+    params: tuple[float, bool]
+    grads: tuple[float, bool]
+    optimizer: tuple[float, bool]
+    communication: float  # volume per step relative to DDP's all-reduce (ZeRO paper, section 7)
+    host_optimizer: bool = False  # optimizer state and gradient partition live in CPU memory
+    host_params: bool = False  # the parameter partitions live in CPU memory too (ZeRO-3 offload)
+    cuda_only: bool = False
+    note: str = ""
+    preference: int = 0  # the planner recommends the lowest that fits
+    extra: Callable[[int, int], dict] | None = None  # (Ψ, N) -> bytes held beyond the terms, e.g. {"grads": ...}
+
+    def bytes(self, num_parameters: int, world_size: int) -> dict[str, float]:
+        def term(spec):
+            per_param, sharded = spec
+            return num_parameters * per_param / (world_size if sharded else 1)
+
+        return {"params": term(self.params), "grads": term(self.grads), "optimizer": term(self.optimizer)}

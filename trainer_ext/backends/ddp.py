@@ -1,6 +1,6 @@
 """Plain data parallelism (or one process): transformers and accelerate do everything; nothing to add."""
 
-from .base import Backend
+from .base import Backend, BackendFormula
 
 
 class DDPBackend(Backend):
@@ -8,7 +8,6 @@ class DDPBackend(Backend):
 
     @classmethod
     def memory_formulas(cls, mixed: bool) -> list:
-        from ..planner import BackendFormula
 
         # torch AMP (transformers --fp16/--bf16 under DDP) keeps fp32 weights and gradients: 16 bytes either way.
         return [BackendFormula("ddp", "(no flag)", (4, False), (4, False), (8, False), 1.0, preference=0)]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..deepspeed_config import finish_deepspeed_config, resolve_deepspeed_config
 from ..deepspeed_config.keys import ZERO3_COST
-from .base import Backend
+from .base import Backend, BackendFormula
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,6 @@ class DeepSpeedBackend(Backend):
 
     @classmethod
     def memory_formulas(cls, mixed: bool) -> list:
-        from ..planner import BackendFormula
 
         # 16-bit params/grads in mixed precision; DeepSpeed keeps an fp32 master partition even in fp32 training, so
         # its sharded optimizer state is 12 bytes per parameter either way (4 master + 8 for Adam's moments).
@@ -145,10 +144,9 @@ class DeepSpeedBackend(Backend):
             self.resolution.config.setdefault("checkpoint", {})["load_universal"] = True
         elif "load_universal" in self.resolution.config.get("checkpoint", {}):
             del self.resolution.config["checkpoint"]["load_universal"]
-        if trainer.is_world_process_zero():
-            notes = "".join(f"\n  note: {note}" for note in self.resolution.notes)
-            logger.warning("DeepSpeed config (resolved for %d ranks, %d steps):\n%s%s", args.world_size,
-                           num_training_steps, json.dumps(self.resolution.config, indent=2), notes)
+        if trainer.is_world_process_zero():  # its notes are said once, with the run's settings (settings_lines)
+            logger.warning("DeepSpeed config (resolved for %d ranks, %d steps):\n%s", args.world_size,
+                           num_training_steps, json.dumps(self.resolution.config, indent=2))
         return self.resolution.config
 
     def _reshard_if_world_size_changed(self, trainer, checkpoint: Path) -> bool:
@@ -318,7 +316,7 @@ def keep_used_weight_conversions(model) -> None:
     """transformers 5.23 loading under ZeRO-3 keeps every key renaming it tried (integrations/deepspeed.py), where its
     other loader keeps those that matched the checkpoint; saving then reverts renamings that never happened
     (MiniLM's LayerNorm.weight written as the legacy LayerNorm.gamma). A private attribute: the only record of them;
-    tests/test_zero3.py compares a ZeRO-3 checkpoint's keys with one process's."""
+    tests/integration/test_zero3.py compares a ZeRO-3 checkpoint's keys with one process's."""
     conversions = getattr(model, "_weight_conversions", None)
     if conversions:
         model._weight_conversions = [conversion for conversion in conversions if conversion.was_used()]
@@ -424,7 +422,7 @@ def apply_resolution(args, resolution) -> None:
     that enables fp16 needs CUDA as --fp16 does."""
     import torch
 
-    from ..args import check_fp16_device
+    from ..runtime import check_fp16_device
 
     for flag, value in resolution.effective_flags.items():
         setattr(args, flag, value)

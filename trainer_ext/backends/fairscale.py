@@ -8,7 +8,7 @@ import importlib.util
 import logging
 
 from ..errors import ArgumentsError, closest
-from .base import Backend
+from .base import Backend, BackendFormula
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,6 @@ class FairScaleBackend(Backend):
 
     @classmethod
     def memory_formulas(cls, mixed: bool) -> list:
-        from ..planner import BackendFormula
 
         weight = 2 if mixed else 4
         return [

@@ -202,7 +202,7 @@ class FSDPBackend(Backend):
 
     @classmethod
     def memory_formulas(cls, mixed: bool) -> list:
-        from ..planner import BackendFormula
+        from .base import BackendFormula
 
         # fp32 shards of the parameters (the master weights under --bf16/--fp16), their gradients and Adam's moments;
         # only the layer being computed is gathered, in the compute dtype.

@@ -99,7 +99,7 @@ NESTED_HOME: dict[str, str] = {
 }
 
 # optimizer.type values DeepSpeed 0.19 builds: its own (any case; deepspeed/runtime/config.py DEEPSPEED_OPTIMIZERS) or a
-# torch.optim class by its exact name (engine._is_supported_optimizer); tests/test_key_tables.py checks both lists.
+# torch.optim class by its exact name (engine._is_supported_optimizer); tests/integration/test_key_tables.py checks both lists.
 DEEPSPEED_OPTIMIZER_NAMES = ("Adagrad", "Adam", "AdamW", "Lamb", "MuAdam", "MuAdamW", "MuSGD", "Lion", "Muon")
 DEEPSPEED_OPTIMIZERS = frozenset(name.lower() for name in DEEPSPEED_OPTIMIZER_NAMES)
 TORCH_OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "Muon", "NAdam",
@@ -167,7 +167,7 @@ HIDDEN_SIZE_AUTO = {
 # ZeRO-3 fields filled when a file leaves them out or says "auto" (a value the user wrote is kept): key -> (value,
 # why); "auto" here means "from the model's hidden size" (HIDDEN_SIZE_AUTO). The rest stay DeepSpeed's own defaults
 # (stage3_max_live_parameters and stage3_max_reuse_distance 1e9, sub_group_size 1e9, overlap_comm on): the same as
-# transformers' documented ZeRO-3 template. Tuning them for speed needs a GPU measurement (README, ZeRO-3).
+# transformers' documented ZeRO-3 template. Tuning them for speed needs a GPU measurement (docs/deepspeed.md, ZeRO-3).
 ZERO3_DEFAULTS = {
     **dict.fromkeys(("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"),
                     ("auto", "sized from the model's hidden size h (transformers' rule)")),

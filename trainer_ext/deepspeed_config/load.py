@@ -48,7 +48,7 @@ def load_deepspeed_config(value: Any) -> tuple[dict, str]:
 
     Returns a deep copy (the caller's object is never mutated) and a phrase naming where it came from."""
     if isinstance(value, dict):
-        return copy.deepcopy(value), "(dict)"
+        return copy.deepcopy(value), "(given as a dict)"
     if isinstance(value, Path):
         value = str(value)
     if not isinstance(value, str) or not value.strip():

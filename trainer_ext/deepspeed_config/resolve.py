@@ -310,6 +310,8 @@ class _Resolver:
 
     def enabled_flag(self, name) -> bool:
         if name not in self.config and not self.flag(name):
+            self.config[name] = {"enabled": False}
+            self.source(f"{name}.enabled", f"default --{name}")  # not "file": the file has no {name} section
             return False
         value = self.reconcile(f"{name}.enabled", name)
         if not isinstance(value, bool):

@@ -1,5 +1,5 @@
 """On PYTHONPATH: this process behaves as on a machine without deepspeed, fairscale and the MiniLM package (imports
-fail, find_spec and importlib.metadata find nothing). `make test-without-libraries` and tests/test_markers.py use it
+fail, find_spec and importlib.metadata find nothing). `make test-without-libraries` and tests/integration/test_markers.py use it
 to check that `-m "not deepspeed and not fairscale and not model_package"` deselects cleanly."""
 import importlib.metadata as _md
 import importlib.util as _u

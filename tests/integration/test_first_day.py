@@ -282,7 +282,7 @@ def test_a_few_misplaced_answers_are_left_out_and_said(tmp_path):
 def test_translation_pairs_are_checked_before_training(tmp_path, capsys, tiny_bert_dir, case, rows, flags, phrase):
     """A null or missing text in any line (only the first was checked) and a source longer than a BART's positions
     ended in tokenizer / embedding tracebacks."""
-    from test_translation import tiny_bart_config
+    from conftest import tiny_bart_config
 
     model = tmp_path / "bart"  # a config without weights (64 positions) and a tokenizer of the user's
     model.mkdir()
@@ -378,7 +378,7 @@ def test_preview_refuses_what_training_refuses(tmp_path, capsys, deepspeed, flag
 
 def test_compute_metrics_returning_a_float_keeps_the_training_done(tmp_path, capsys):
     """A compute_metrics returning a float crashed at the first evaluation and the steps trained were lost."""
-    from test_trainer_unit import tiny_bert
+    from conftest import tiny_bert
 
     from trainer_ext import ExtTrainer, ExtTrainingArguments
     from trainer_ext.checkpoint import problem_with
@@ -523,3 +523,20 @@ def test_sharded_ddp_simple_without_a_launcher_runs_as_one_rank(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "backend fairscale --sharded_ddp simple on 1 rank" in out.stdout + out.stderr
     assert json.loads((tmp_path / "out" / "train_results.json").read_text())["train_loss"] > 0
+
+
+def test_batch_eval_metrics_may_return_nothing_until_the_last_batch():
+    """With --batch_eval_metrics transformers calls compute_metrics per batch with compute_result=False, where None is
+    the protocol's answer (its own tests do this): it was refused as not a dict."""
+    import inspect
+    from types import SimpleNamespace
+
+    from trainer_ext.metrics_check import checked_compute_metrics
+
+    def batched(prediction, compute_result):
+        return {"accuracy": 1.0} if compute_result else None
+
+    checked = checked_compute_metrics(SimpleNamespace(compute_metrics=batched))
+    assert "compute_result" in inspect.signature(checked).parameters  # transformers checks this at init
+    assert checked(None, compute_result=False) is None
+    assert checked(None, compute_result=True) == {"accuracy": 1.0}

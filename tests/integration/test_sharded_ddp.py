@@ -1,6 +1,6 @@
 """--sharded_ddp (FairScale) on real launchers: `simple` trains exactly like one process and DDP, its
 checkpoints hold one ordinary optimizer state that resumes on any number of ranks, and its memory saving
-is measured; the CUDA-only options fail early without CUDA (tests/test_cuda.py runs them where there is one)."""
+is measured; the CUDA-only options fail early without CUDA (tests/integration/test_cuda.py runs them where there is one)."""
 
 import json
 import shutil

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import BIN, PYTHON, REPO, free_port, run
 from trainer_ext import ArgumentsError, ExtTrainingArguments
+from trainer_ext.args import ExtArgumentParser
 from trainer_ext.backends.fairscale import parse_options as parse_sharded_ddp
 
 SCRIPT = REPO / "tests" / "scripts" / "parse_args.py"
@@ -65,6 +66,11 @@ def test_warmup_ratio_is_the_transformers_5_float_warmup(tmp_path):
     assert args.warmup_steps == 0.1 and args.get_warmup_steps(200) == 20
     with pytest.raises(ArgumentsError, match="--warmup_ratio 0.1 and --warmup_steps 5"):
         ExtTrainingArguments(output_dir=str(tmp_path), warmup_ratio=0.1, warmup_steps=5)
+    with pytest.raises(ArgumentsError, match="--warmup_ratio 0.1 and --warmup_steps 0 both set"):  # 0 typed too
+        ExtTrainingArguments(output_dir=str(tmp_path), warmup_ratio=0.1, warmup_steps=0)
+    with pytest.raises(SystemExit):  # the same on the command line
+        ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--warmup_steps", "0", "--warmup_ratio", "0.1"])
     with pytest.raises(ArgumentsError, match=r"\[0, 1\)"):
         ExtTrainingArguments(output_dir=str(tmp_path), warmup_ratio=1.5)
 

@@ -3,7 +3,6 @@ Trainer itself is the oracle where it applies. The same promises on 2 ranks are 
 
 import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,13 +11,16 @@ import torch
 from safetensors.torch import load_file
 from transformers import (BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments)
 
+from conftest import run  # a clean environment: an in-process ZeRO test leaves RANK/MASTER_PORT set
 from trainer_ext import ExtTrainer, ExtTrainingArguments
 from trainer_ext.checkpoint import CheckpointNotFoundError, damage, publish
 from trainer_ext.errors import UserError
 
 pytestmark = pytest.mark.oldest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+# what a child process needs on sys.path to import this module: the package, tests/ (conftest) and this folder
+IMPORTABLE = ":".join(str(path) for path in (ROOT, ROOT / "tests", Path(__file__).resolve().parent))
 ROWS = 64
 
 
@@ -56,6 +58,8 @@ def test_best_checkpoint_is_recorded_by_its_published_path_and_survives_rotation
     ours, _ = trained(tmp_path / "ours", **flags)
     assert stock.state.best_model_checkpoint == str(tmp_path / "stock" / "checkpoint-8")
     assert ours.state.best_model_checkpoint == str(tmp_path / "ours" / "checkpoint-8")
+    # the same entries as the stock Trainer's (transformers' tests count them): no lock or staging folder left
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted(p.name for p in (tmp_path / "stock").iterdir())
     folders = sorted(p.name for p in (tmp_path / "ours").iterdir() if p.name.startswith("checkpoint-"))
     assert folders == sorted(p.name for p in (tmp_path / "stock").iterdir() if p.name.startswith("checkpoint-")) \
         == ["checkpoint-16", "checkpoint-8"]
@@ -106,10 +110,9 @@ def test_a_second_train_in_the_same_process_trains_as_the_stock_trainer(tmp_path
 def test_a_checkpoint_an_earlier_process_wrote_is_resumed(tmp_path, caplog):
     """Fails when the automatic resume of a restarted command stops picking up what an earlier process wrote (the
     other side of the same-process rule)."""
-    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import test_trainer_promises as t; "
-            "t.trained(sys.argv[3], max_steps=2)")
-    done = subprocess.run([sys.executable, "-c", code, str(ROOT), str(ROOT / "tests"), str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=300)
+    code = ("import sys; sys.path[:0] = sys.argv[1].split(':'); import test_trainer_promises as t; "
+            "t.trained(sys.argv[2], max_steps=2)")
+    done = run([sys.executable, "-c", code, IMPORTABLE, tmp_path / "run"], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     with caplog.at_level(logging.WARNING):
         trainer, outcome = trained(tmp_path / "run")
@@ -191,10 +194,9 @@ def test_user_errors_are_catchable_and_uncaught_exit_2_in_one_line(tmp_path):
         caught = err
     assert isinstance(caught, CheckpointNotFoundError) and "no such folder" in str(caught)
     script = tmp_path / "script.py"
-    script.write_text("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import test_trainer_promises as t; "
-                      "t.trained(sys.argv[3], resume=sys.argv[3] + '/bogus')\n")
-    done = subprocess.run([sys.executable, script, str(ROOT), str(ROOT / "tests"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+    script.write_text("import sys; sys.path[:0] = sys.argv[1].split(':'); import test_trainer_promises as t; "
+                      "t.trained(sys.argv[2], resume=sys.argv[2] + '/bogus')\n")
+    done = run([sys.executable, script, IMPORTABLE, tmp_path], timeout=300)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.count(f"Can't find a valid checkpoint at {tmp_path}/bogus") == 1  # the stock Trainer's words

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
+from conftest import REPO
 from trainer_ext.deepspeed_config import DeepSpeedConfigError, PRESETS, explain, iter_fields, resolve_deepspeed_config
-from trainer_ext.deepspeed_config.keys import ZERO3_DEFAULTS
 
 pytestmark = pytest.mark.deepspeed  # every test here runs DeepSpeed's own parser or engine
 
@@ -62,11 +62,30 @@ def test_resolved_config_is_accepted_by_deepspeed(deepspeed_accepts, world_size,
     assert parsed.gradient_clipping == 1.0
 
 
+def _leaves(tree: dict, path=()):
+    for key, value in tree.items():
+        yield from _leaves(value, (*path, key)) if isinstance(value, dict) else [((*path, key), value)]
+
+
 @pytest.mark.parametrize("file", sorted(PRESETS))
 def test_each_shipped_config_resolves_with_default_flags(deepspeed_accepts, file):
-    """A shipped config that does not resolve with plain flags would fail for every new user."""
-    config = resolve_deepspeed_config({}, file, world_size=2, num_training_steps=100).config
-    deepspeed_accepts(config, 2)
+    """A shipped config that does not resolve with plain flags would fail for every new user; one whose written values
+    were rewritten, or whose batch fields disagree, would train something else than the file says."""
+    written = json.loads((REPO / "ds_configs" / PRESETS[file]).read_text())
+    resolution = resolve_deepspeed_config({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 3}, file,
+                                          world_size=2, num_training_steps=100)
+    config = resolution.config
+    parsed = deepspeed_accepts(config, 2)
+    assert (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) \
+        == (4 * 3 * 2, 4, 3)
+    assert parsed.zero_optimization_stage == written["zero_optimization"]["stage"]
+    for path, value in _leaves(written):
+        if value == "auto" or path == ("zero_optimization", "cpu_offload"):  # legacy key: migrated, said in a note
+            continue
+        resolved = config
+        for key in path:
+            resolved = resolved[key]
+        assert resolved == value, f"{file}: {'.'.join(path)} written {value!r}, resolved {resolved!r}"
 
 
 def test_classic_zero2_keeps_its_values_and_offloads(deepspeed_accepts):
@@ -106,7 +125,7 @@ def test_zero_defaults_by_where_the_ranks_run(deepspeed_accepts, config, where, 
 
 def test_zero_values_the_user_wrote_are_kept(deepspeed_accepts):
     """A value in the file is the user's on any device; offload keeps contiguous gradients (DeepSpeed needs them);
-    ZeRO-3 gets its own fields (tests/test_zero3.py), none of the ZeRO-1/2 ones tuned here."""
+    ZeRO-3 gets its own fields (tests/integration/test_zero3.py), none of the ZeRO-1/2 ones tuned here."""
     written = {"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_scatter": True,
                                      "contiguous_gradients": True}}
     for cpu_ranks in (True, False):
@@ -116,18 +135,27 @@ def test_zero_values_the_user_wrote_are_kept(deepspeed_accepts):
     for config in ("zero2_offload", {"zero_optimization": {"stage": 2, "cpu_offload": True}}):
         resolved = resolve_deepspeed_config({}, config, world_size=1, num_training_steps=10).config
         assert deepspeed_accepts(resolved, 1).zero_config.contiguous_gradients is True
-    stage3 = resolve_deepspeed_config({}, {"zero_optimization": {"stage": 3}}, world_size=1, num_training_steps=10)
-    assert set(stage3.config["zero_optimization"]) == {"stage", *ZERO3_DEFAULTS}
+    # ZeRO-3: what the user wrote stays, and none of the ZeRO-1/2 measurements decides a stage-3 field.
+    stage3_written = {"stage": 3, "overlap_comm": False, "sub_group_size": 123456,
+                      "stage3_max_live_parameters": 7654321, "stage3_param_persistence_threshold": 1000,
+                      "stage3_gather_16bit_weights_on_model_save": False}
+    stage3 = resolve_deepspeed_config({}, {"zero_optimization": stage3_written}, world_size=1, num_training_steps=10)
+    assert {key: stage3.config["zero_optimization"][key] for key in stage3_written} == stage3_written
+    assert not any("s/step" in source for key, source in stage3.sources.items() if key.startswith("zero_optimization"))
+    assert deepspeed_accepts(stage3.config, 1).zero_optimization_stage == 3
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_keeps_skipping_nonfinite_steps(deepspeed_accepts, precision):
-    """bf16 keeps DeepSpeed's check_grad_overflow on (a non-finite norm skips the step; trainer_ext drops only the
-    per-parameter scan, see tests/test_overflow_check.py); the config log and --explain say so."""
+    """bf16 keeps DeepSpeed's check_grad_overflow on and fp16 its dynamic loss scale (a non-finite norm skips the
+    step; trainer_ext drops only the per-parameter scan, see tests/integration/test_overflow_check.py); the log and --explain say
+    so."""
     resolution = resolve_deepspeed_config({precision: True}, {}, world_size=1, num_training_steps=10)
     parsed = deepspeed_accepts(resolution.config, 1)
-    assert parsed.bfloat16_config.check_grad_overflow is True
-    assert getattr(parsed, "bfloat16_config" if precision == "bf16" else "float16_config").enabled is True
+    if precision == "bf16":
+        assert parsed.bfloat16_config.check_grad_overflow is True
+    else:  # dynamic loss scaling: an overflow lowers the scale and skips the step
+        assert parsed.float16_config.loss_scale == 0 and parsed.float16_config.enabled is True
     assert any(note.startswith("overflow check: trainer_ext skips a step") for note in resolution.notes)
     assert "overflow check" in explain(resolution)
 

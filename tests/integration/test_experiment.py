@@ -267,7 +267,8 @@ def test_a_broken_experiment_exits_2_and_trains_nothing(tmp_path):
 @pytest.mark.model_package
 @pytest.mark.launch
 def test_a_copied_experiment_trains_from_another_folder_with_flags(tmp_path):
-    """Paths in the file follow the file, flags override it and their paths follow the current directory."""
+    """Paths in the file follow the file, flags (before or after it) override it and their paths follow the current
+    directory."""
     import torch
 
     values = shipped("classification")
@@ -278,7 +279,8 @@ def test_a_copied_experiment_trains_from_another_folder_with_flags(tmp_path):
     project = copied_experiment(tmp_path, values, "small").parent.parent
     cwd = tmp_path / "run"
     cwd.mkdir()
-    command = [TRAINER_EXT, "train", "../project/experiments/small.yaml", "--max_steps", "2", "--learning_rate", "1e-4",
+    # flags before the file: argparse read the 2 of --max_steps as the experiment file
+    command = [TRAINER_EXT, "train", "--max_steps", "2", "--learning_rate", "1e-4", "../project/experiments/small.yaml",
                "--output_dir", "out"]
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")}
 
@@ -312,3 +314,27 @@ def test_data_from_a_local_dataset_folder(tmp_path):
     experiment = load_experiment(values | {"deepspeed": "zero2_minimal"})
     raw = load_raw(experiment.data_args)
     assert {split: len(raw[split]) for split in raw} == {"train": 2400, "validation": 400, "test": 400}
+
+
+@pytest.mark.parametrize("section", [{"zero_optimization": {"stage": 7}}, '{"zero_optimization": {"stage": 7}}'])
+def test_a_bad_deepspeed_section_is_named_as_such(tmp_path, section):
+    """A DeepSpeed problem in the file's deepspeed section was reported under 'hyperparameters' and headed '(dict)'."""
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump({"task": "classification", "deepspeed": section}))
+    with pytest.raises(ExperimentError) as raised:
+        load_experiment(path)
+    message = str(raised.value)
+    assert message.startswith(f"{path}: deepspeed: ") and "hyperparameters" not in message and "(dict)" not in message
+    assert "zero_optimization.stage must be 0, 1, 2 or 3, got 7" in message
+
+
+def test_nvme_paths_in_a_deepspeed_section_follow_the_experiment_file(tmp_path):
+    """A relative nvme_path in the file's deepspeed section was left relative to wherever the command ran."""
+    from trainer_ext.experiment import with_paths
+
+    section = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "swap"},
+                                     "offload_param": {"device": "nvme", "nvme_path": "/abs/swap"}}}
+    resolved = with_paths({"deepspeed": section}, tmp_path)["deepspeed"]["zero_optimization"]
+    assert resolved["offload_optimizer"]["nvme_path"] == str(tmp_path / "swap")
+    assert resolved["offload_param"]["nvme_path"] == "/abs/swap"
+    assert section["zero_optimization"]["offload_optimizer"]["nvme_path"] == "swap"  # the caller's dict untouched

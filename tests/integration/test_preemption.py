@@ -182,7 +182,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_the_rerun_continues(uninterrupt
     assert again.returncode == 0, again.stderr[-4000:]
     assert f"resuming from {saved}" in again.stdout + again.stderr
     # The order continues at the checkpoint's sample, whatever step the signal reached: the sampler's stream for
-    # steps step+1, step+2 (tests/test_resume_order.py checks that stream against uninterrupted runs).
+    # steps step+1, step+2 (tests/integration/test_resume_order.py checks that stream against uninterrupted runs).
     for rank in range(2):
         stream = ResumableBatchSampler(100, 8, rank=rank, world_size=2, seed=5)
         expected = [stream.micro_batch(s // stream.steps_per_epoch, s % stream.steps_per_epoch)

@@ -54,15 +54,20 @@ def test_unreadable_entries_are_an_error_naming_the_variable_and_the_fix(value):
         for_deepspeed(value)
 
 
-def test_normalised_for_the_process_and_said_once(caplog):
+def test_normalised_for_the_process_and_said_once(caplog, monkeypatch):
     """The corrected list must reach DeepSpeed's op build, and the note appear once on rank 0, not on every rank."""
+    from trainer_ext import cuda_arch
+
+    monkeypatch.setattr(cuda_arch, "_said", [])  # as in a fresh process: nothing said yet
+    with caplog.at_level("WARNING", logger="trainer_ext.cuda_arch"):
+        assert prepare_for_deepspeed({"TORCH_CUDA_ARCH_LIST": "9.0a", "RANK": "1"}) is not None
+    assert caplog.records == []  # another rank: normalised, not said
     env = {"TORCH_CUDA_ARCH_LIST": "9.0a", "RANK": "0"}
     with caplog.at_level("WARNING", logger="trainer_ext.cuda_arch"):
         note = prepare_for_deepspeed(env)
         prepare_for_deepspeed({"TORCH_CUDA_ARCH_LIST": "9.0a", "RANK": "0"})
-        prepare_for_deepspeed({"TORCH_CUDA_ARCH_LIST": "9.0a", "RANK": "1"})
     assert env["TORCH_CUDA_ARCH_LIST"] == "9.0" and "'9.0a' -> '9.0'" in note
-    assert [r.getMessage() for r in caplog.records].count(note) <= 1  # once per process, main process only
+    assert [r.getMessage() for r in caplog.records] == [note]  # once per process, main process only
 
 
 @pytest.mark.deepspeed

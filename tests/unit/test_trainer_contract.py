@@ -10,15 +10,16 @@ import torch
 from transformers import Trainer
 
 import transformers.trainer
+from conftest import REPO
 from trainer_ext import ExtTrainer
 from trainer_ext.private_hooks import PrivateTrainerHooks
 
 pytestmark = pytest.mark.oldest
 
 # ExtTrainer's own methods; anything else it defines must override a Trainer method.
-OWN = {"_custom_loss_requested", "_custom_loss", "_loss_uses_num_items", "training_order_state"}
-# The private Trainer methods ExtTrainer overrides, each with its reason in private_hooks.py and README's "Supported
-# versions"; everything else rides on public hooks.
+OWN = {"_custom_loss_requested", "_custom_loss", "_loss_uses_num_items", "training_order_state", "train_in_output_dir"}
+# The private Trainer methods ExtTrainer overrides, each with its reason in private_hooks.py and docs/versions.md
+# ("Supported versions"); everything else rides on public hooks.
 PRIVATE_OVERRIDES = {"_get_output_dir", "_wrap_model", "_clip_grad_norm", "_finalize_training"}
 
 # Trainer methods ExtTrainer calls (not overrides), with the arguments it passes them (checkpoint.py's RunCheckpoints and
@@ -93,13 +94,13 @@ def test_every_override_and_call_matches_the_installed_trainer():
 
 def test_private_overrides_are_the_four_in_their_module():
     """Fails when ExtTrainer overrides a private Trainer method outside private_hooks.py, or that module grows: each
-    private override breaks on some transformers release, so every one must be unavoidable and said why in README."""
+    private override breaks on some transformers release, so every one must be unavoidable and said why in docs/versions.md."""
     ours = {name for cls in ExtTrainer.__mro__ if cls.__module__.startswith("trainer_ext") for name in vars(cls)
             if name.startswith("_") and not name.startswith("__") and name not in OWN and hasattr(Trainer, name)}
     assert ours == PRIVATE_OVERRIDES
     assert {name for name in vars(PrivateTrainerHooks) if not name.startswith("__")} == PRIVATE_OVERRIDES
     assert not PRIVATE_OVERRIDES & set(vars(ExtTrainer))
-    readme = (__import__("pathlib").Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (REPO / "docs" / "versions.md").read_text()
     assert all(f"`{name}`" in readme for name in PRIVATE_OVERRIDES)
 
 

@@ -44,9 +44,14 @@ def test_explain_names_the_source_of_each_field():
     assert "file" in lines["optimizer.params.lr"] and "--learning_rate" in lines["optimizer.params.lr"]
     assert "flag --per_device_train_batch_size" in lines["train_micro_batch_size_per_gpu"]
     assert "derived" in lines["train_batch_size"]
-    assert "default" in lines["zero_optimization.stage"] or "file" in lines["zero_optimization.stage"]
+    assert lines["zero_optimization.stage"].split()[-1] == "file"  # zero2.json writes the stage
+    assert "file (--fp16 left at default" in lines["fp16.enabled"] and "default --bf16" in lines["bf16.enabled"]
     assert "note: legacy zero_optimization.cpu_offload" in out.stdout
     assert "--learning_rate 3e-05" in out.stdout  # flags taken from the file
+    out = run([CLI, "ds-config", "--deepspeed", "zero2_minimal", "--world_size", "2", "--num_training_steps", "10",
+               "--explain"])
+    lines = {line.split()[0]: line for line in out.stdout.splitlines() if line and not line.startswith(("note", "flags"))}
+    assert "default --fp16" in lines["fp16.enabled"], lines["fp16.enabled"]  # it said "file" for a file without fp16
 
 
 @pytest.mark.launch
@@ -107,3 +112,12 @@ def test_unknown_command_suggests_the_closest():
     """A mistyped subcommand (ds-conifg) must exit 2 suggesting the right one."""
     out = run([CLI, "ds-conifg"])
     assert out.returncode == 2 and "ds-config" in out.stderr
+
+
+def test_the_experiment_file_is_found_among_flags_before_it():
+    """`trainer-ext train --max_steps 5 exp.yaml` read 5 as the experiment file."""
+    from trainer_ext.cli import experiment_first
+
+    assert experiment_first(["--max_steps", "5", "exp.yaml", "--check"]) == ["exp.yaml", "--max_steps", "5", "--check"]
+    assert experiment_first(["a.yml", "--max_steps", "5"]) == ["a.yml", "--max_steps", "5"]
+    assert experiment_first(["--max_steps", "5", "a.yaml", "b.yaml"]) == ["--max_steps", "5", "a.yaml", "b.yaml"]

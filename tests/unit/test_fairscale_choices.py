@@ -1,6 +1,6 @@
 """FairScale's CUDA-only modes (FSDP: zero_dp_2/zero_dp_3, offload) pinned on a CPU machine: the arguments FSDP gets,
 the optimizer it steps under fp16, the gradient dtypes that optimizer sees, and where the Trainer leaves the model.
-Each choice fixes a failure measured on an H100; tests/test_cuda.py runs them for real where a GPU is present."""
+Each choice fixes a failure measured on an H100; tests/integration/test_cuda.py runs them for real where a GPU is present."""
 
 from types import SimpleNamespace
 
@@ -16,6 +16,21 @@ def flags(fp16=False, bf16=False, device="cuda:0"):
     return SimpleNamespace(fp16=fp16, bf16=bf16, device=torch.device(device))
 
 
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A gloo process group of one rank in this process: FairScale's FSDP can then be built (not run) on a CPU."""
+    import torch.distributed as dist
+
+    from conftest import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+# What each --sharded_ddp mode means (transformers 4.x's Trainer, which introduced the flags): zero_dp_2 keeps the
+# parameters gathered from forward to backward, zero_dp_3 reshards them; fp16/bf16 compute in that dtype over fp32
+# shards; offload keeps the parameters in CPU memory.
+@pytest.mark.fairscale
 @pytest.mark.parametrize("options,precision,expected", [
     (["zero_dp_2"], {}, dict(reshard_after_forward=False, mixed_precision=False, compute_dtype=torch.float32,
                              move_params_to_cpu=False)),
@@ -24,12 +39,17 @@ def flags(fp16=False, bf16=False, device="cuda:0"):
     (["zero_dp_3", "offload"], {"bf16": True}, dict(reshard_after_forward=True, mixed_precision=True,
                                                     compute_dtype=torch.bfloat16, move_params_to_cpu=True)),
 ])
-def test_fsdp_gets_the_options_and_precision_asked_for(options, precision, expected):
-    """A wrong compute dtype or a lost offload would train in another precision or run out of GPU memory."""
+def test_fsdp_gets_the_options_and_precision_asked_for(world_of_one, options, precision, expected):
+    """A wrong compute dtype or a lost offload would train in another precision or run out of GPU memory; a keyword
+    FairScale does not read, or flattened parameters, would lose them silently. Read back from FairScale's own FSDP."""
+    from fairscale.nn.data_parallel import FullyShardedDataParallel
+
     settings = fsdp_settings(options, flags(**precision))
-    assert {key: settings[key] for key in expected} == expected
     assert settings["compute_device"] == torch.device("cuda:0")
-    assert settings["flatten_parameters"] is False  # names kept: no weight decay on biases and LayerNorm
+    wrapped = FullyShardedDataParallel(torch.nn.Linear(4, 4), **{**settings, "compute_device": torch.device("cpu")})
+    assert {key: getattr(wrapped, key) for key in expected} == expected
+    # names kept (no flattening): the optimizer's no-decay group still finds the biases and LayerNorm weights
+    assert sorted(name.rsplit(".", 1)[-1] for name, _ in wrapped.named_parameters()) == ["bias", "weight"]
 
 
 def test_fused_adamw_is_swapped_for_foreach_only_under_fsdp_fp16():

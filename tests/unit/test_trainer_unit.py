@@ -1,22 +1,14 @@
 """ExtTrainer pieces checked in one process against hand computations: losses, sampler, optimizer groups."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel
 
+from conftest import tiny_bert
 from trainer_ext import ExtTrainer, ExtTrainingArguments, OptimizerSettings, SchedulerSettings
 
 pytestmark = pytest.mark.oldest  # in-process, seconds: part of `make test-oldest`
-
-
-def tiny_bert(num_labels=2):
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=32, num_labels=num_labels, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
-    return BertForSequenceClassification(config).eval()
 
 
 def fixed_batch(labels=(0, 1, 1, 0, 1)):

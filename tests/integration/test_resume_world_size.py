@@ -17,6 +17,7 @@ def test_zero2_from_2_ranks_resumes_on_1_then_resumes_again(accumulate_runs, tmp
     out = launch("deepspeed", resumed, *ACCUMULATE, "--per_device_train_batch_size", 8, *ZERO2, "--save_strategy",
                  "steps", "--save_steps", 6, ranks=1)
     assert "saved on 2 ranks, resuming on 1" in out.stdout + out.stderr
+    assert (out.stdout + out.stderr).count("resuming a 2-rank ZeRO checkpoint on 1 ranks (universal)") == 1
     assert_continues(uninterrupted, resumed, 7)
     # The conversion is for that one load: continuing from the 1-rank checkpoint-12 is an ordinary resume.
     more = launch("deepspeed", resumed, *ACCUMULATE, "--per_device_train_batch_size", 8, *ZERO2,
