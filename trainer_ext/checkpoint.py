@@ -245,17 +245,6 @@ def resume_request(requested) -> str:
     return {"auto": AUTO, "true": NEWEST, "false": FRESH}.get(text.lower(), PATH) if text else AUTO
 
 
-def model_fingerprint(model) -> dict:
-    """What a checkpoint must match to be resumed by this model (a backend whose wrapping changes what the model
-    reports corrects it: Backend.model_fingerprint)."""
-    config = getattr(model, "config", None)
-    return {
-        "model_class": type(model).__name__,
-        "model_type": getattr(config, "model_type", None),
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-    }
-
-
 def check_compatible(checkpoint, fingerprint: dict) -> None:
     """Refuse, before training, a checkpoint written by a different model (no fingerprint: nothing to compare)."""
     marker = Path(checkpoint) / MARKER
