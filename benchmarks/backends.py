@@ -1,6 +1,6 @@
 """Benchmark every backend on one fine-tune, interleaved in one run so that ratios hold on a noisy machine: the stock
-transformers Trainer and ExtTrainer with DDP, with DeepSpeed ZeRO-2, and ExtTrainer with `--sharded_ddp simple` and
-ZeRO-3;
+transformers Trainer and ExtTrainer with DDP, with DeepSpeed ZeRO-2, and ExtTrainer with `--sharded_ddp simple`,
+ZeRO-3 and FSDP2 (`--fsdp full_shard`);
 writes benchmarks/results/backends.md (ratios to DDP, per-rank model-state bytes against the planner's formulas,
 losses) and benchmarks/results/backends.png (loss curves and memory bars).
 
@@ -75,6 +75,12 @@ CONFIGS = [
     Config("simple, ExtTrainer", "ext", "launch", "simple", ("--sharded_ddp", "simple")),
     # Parameters partitioned too: every layer gathered for its forward and backward (the presets' stage-3 fields).
     Config("ZeRO-3, ExtTrainer (zero3)", "ext", "deepspeed", "zero3", ("--deepspeed", "zero3")),
+    # torch's FSDP2: each BertLayer (then the rest) a group gathered for its forward and backward, as ZeRO-3 does.
+    Config("FSDP2, ExtTrainer (--fsdp full_shard)", "ext", "torchrun", "fsdp",
+           ("--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"transformer_layer_cls_to_wrap": ["BertLayer"]}')),
+    # Parameters kept gathered from forward to backward: one all-gather fewer per layer, ZeRO-2's communication.
+    Config("FSDP2, ExtTrainer (--fsdp shard_grad_op)", "ext", "torchrun", "fsdp_shard_grad_op",
+           ("--fsdp", "shard_grad_op auto_wrap", "--fsdp_config", '{"transformer_layer_cls_to_wrap": ["BertLayer"]}')),
 ]
 BASELINE = {"stock": "DDP, stock Trainer", "ext": "DDP, ExtTrainer"}
 

@@ -14,12 +14,13 @@ from transformers import TrainerCallback
 
 
 def tensor_bytes(tensors) -> int:
-    """Bytes of distinct tensors (a tensor seen twice counts once)."""
+    """Bytes of distinct tensors (a tensor seen twice counts once); of a DTensor (FSDP2), this rank's shard."""
     seen, total = set(), 0
     for tensor in tensors:
         if torch.is_tensor(tensor) and id(tensor) not in seen:
             seen.add(id(tensor))
-            total += tensor.numel() * tensor.element_size()
+            local = tensor.to_local() if hasattr(tensor, "device_mesh") else tensor
+            total += local.numel() * local.element_size()
     return total
 
 

@@ -19,7 +19,7 @@ _LAZY = {
     "DeepSpeedConfigError": ".deepspeed_config",
     "ArgumentsError": ".errors",
     "Preempted": ".preemption",
-    "sharded_loading": ".backends.deepspeed",
+    "sharded_loading": ".backends",
 }
 __all__ = sorted(_LAZY)
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from .backends import backend_class, selection_problems
+from .backends import backend_class, prepare_environment, selection_problems
 from .backends.fairscale import OPTIONS as SHARDED_DDP_OPTIONS
 from .deepspeed_config import FLAG_RANGES, out_of_range
 from .checkpoint import CheckpointNotFoundError
 from .errors import ArgumentsError, UserError, closest, debugging, main_process
-from .runtime import check_fp16_device, check_rank_variables, prepare_cpu_ranks, quiet_deepspeed_on_cpu_machines
+from .runtime import check_fp16_device, check_rank_variables, prepare_cpu_ranks
 from .sagemaker import parse_list
 from .sagemaker import prepare_arguments as prepare_sagemaker
 from .sagemaker import spread_lists
@@ -208,7 +208,7 @@ class ExtTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         check_rank_variables()  # leftover WORLD_SIZE/RANK without a launcher: seconds, not a wait for peers forever
-        quiet_deepspeed_on_cpu_machines()
+        prepare_environment()
         prepare_sagemaker(self)  # in a SageMaker job: where the model, checkpoints and logs go; nothing elsewhere
         if problems := flag_problems(self):  # what this machine cannot change; trainer-ext ds-config runs the same
             raise ArgumentsError("\n".join(problems))
@@ -225,7 +225,7 @@ class ExtTrainingArguments(TrainingArguments):
 
     @property
     def place_model_on_device(self):
-        # transformers' hook for integrations: the backend may need the model where it was built (FSDP offload).
+        # transformers' hook for integrations: the backend may need the model where it was built (offload).
         decided = backend_class(self).places_model_on_device(self)
         return decided if decided is not None else super().place_model_on_device
 

@@ -128,7 +128,12 @@ def problem_with(path: Path, checksums: bool = False) -> str | None:
         json.loads((path / "trainer_state.json").read_text())
     except (OSError, ValueError) as err:
         return f"unreadable metadata ({err})"
-    weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") or p.name.startswith("global_step")]
+    from .backends import checkpoint_state_patterns
+
+    # Hugging Face weight files, or a backend's own training state (which holds the weights without them)
+    patterns = checkpoint_state_patterns()
+    weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin")
+               or any(p.match(pattern) for pattern in patterns)]
     if not weights:
         return "no model weights"
     return damage(path, checksums, marker)
@@ -238,17 +243,6 @@ def resume_request(requested) -> str:
         return NEWEST if requested else FRESH
     text = str(requested).strip()
     return {"auto": AUTO, "true": NEWEST, "false": FRESH}.get(text.lower(), PATH) if text else AUTO
-
-
-def model_fingerprint(model) -> dict:
-    """What a checkpoint must match to be resumed by this model."""
-    config = getattr(model, "config", None)
-    return {
-        "model_class": type(model).__name__,
-        "model_type": getattr(config, "model_type", None),
-        # Under ZeRO-3 a parameter's numel is its gathered size only while gathered; ds_numel is always the whole.
-        "num_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
-    }
 
 
 def check_compatible(checkpoint, fingerprint: dict) -> None:

@@ -10,7 +10,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from .backends import backend_flags
+from .backends import backend_flags, owned_flags
 from .errors import ArgumentsError
 from .field_values import WrongType, did_you_mean, field_types, read_as
 from .settings import OptimizerSettings, SchedulerSettings
@@ -100,8 +100,9 @@ def load_experiment(source, argv: Sequence[str] = (), folder=None) -> Experiment
     types = flag_types(classes)
     given = with_paths(_file_values(values, name, classes, types, problems), folder)  # field -> typed value
     flags = _flags(classes, argv, problems)
-    if BACKENDS & flags.keys():  # a backend flag replaces the file's backend
-        given = {key: value for key, value in given.items() if key not in BACKENDS}
+    if BACKENDS & flags.keys():  # a backend flag replaces the file's backend, with the flags that backend reads
+        owned = {flag for flags_of_one in owned_flags().values() for flag in flags_of_one}
+        given = {key: value for key, value in given.items() if key not in owned}
     for key, value in flags.items():
         _put(given, key, value, types[key], f"--{key}", problems)
     if problems:

@@ -14,7 +14,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from .checkpoint import (AUTO, DATA_STATE, FRESH, MARKER, NEWEST, CheckpointError, CheckpointNotFoundError,
-                         check_compatible, damage, model_fingerprint, newest_valid_checkpoint, problem_with, publish,
+                         check_compatible, damage, newest_valid_checkpoint, problem_with, publish,
                          relaid_weights, resume_request, rotate, staging_dir, valid_checkpoints)
 from .sagemaker import checkpoints_to_keep
 
@@ -190,7 +190,8 @@ class RunCheckpoints(TrainerCallback):
             state.save_to_json(str(staged / "trainer_state.json"))
         module = trainer.backend.unwrap(trainer.accelerator.unwrap_model(trainer.model))
         final = publish(staged, run_dir, {"step": state.global_step, "world_size": self.args.world_size,
-                                          "backend": trainer.backend.describe(), "model": model_fingerprint(module)})
+                                          "backend": trainer.backend.describe(),
+                                          "model": trainer.backend.model_fingerprint(module)})
         deleted = rotate(run_dir, checkpoints_to_keep(self.args.save_total_limit),
                          keep=Path(state.best_model_checkpoint) if state.best_model_checkpoint else None)
         if self.remote is not None:  # in the background: the next step does not wait for the copy

@@ -86,9 +86,8 @@ def check_rank_variables() -> None:
 
 
 def launch_one_rank_without_launcher() -> bool:
-    """`python script.py --deepspeed ...` with no launcher: give this process the variables the deepspeed launcher (or
-    accelerate launch) would give a 1-rank job. Without them DeepSpeed looks for MPI and dies importing mpi4py.
-    Returns True when it set them."""
+    """`python script.py ...` with no launcher, for a backend whose engine needs a process group even on one process:
+    give this process the variables a launcher would give a 1-rank job. Returns True when it set them."""
     if any(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
         return False
     import socket
@@ -107,14 +106,6 @@ def accelerator_available() -> bool:
 
     accelerator = getattr(torch, "accelerator", None)
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
-
-
-def quiet_deepspeed_on_cpu_machines() -> None:
-    """accelerate imports DeepSpeed whenever it is installed (even for runs that do not use it), and DeepSpeed then
-    warns "Setting accelerator to CPU ... we were unable to detect it" on every machine without a GPU: a warning that
-    needs no action. DS_ACCELERATOR=cpu is DeepSpeed's own override for the choice it would make anyway, unwarned."""
-    if "DS_ACCELERATOR" not in os.environ and not accelerator_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def prepare_cpu_ranks(args) -> None:
@@ -156,13 +147,13 @@ def _release() -> None:
 
     import torch
 
-    # A DDP wrapper or DeepSpeed engine still referenced keeps the group alive past destroy_process_group, to be torn
-    # down mid-interpreter-shutdown: drop the trainers' references first.
+    # A wrapper or engine still referenced keeps the group alive past destroy_process_group, to be torn down
+    # mid-interpreter-shutdown: drop the trainers' references first.
     backends = []
     for trainer in list(_TRAINERS):
-        trainer.model_wrapped, trainer.deepspeed = trainer.model, None
+        trainer.model_wrapped = trainer.model
         trainer.accelerator.free_memory()
-        trainer.backend.drop_references()
+        trainer.backend.drop_references(trainer)
         backends.append(trainer.backend)
     gc.collect()
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
 from . import progress
-from .backends import select_backend
-from .checkpoint import AUTO, model_fingerprint, newest_valid_checkpoint, read_data_state, resume_request
+from .backends import prepare_environment, select_backend
+from .checkpoint import AUTO, newest_valid_checkpoint, read_data_state, resume_request
 from .data.loader import dataloader_with_batch_sampler, stream_dataloader
 from .data.samplers import ResumableBatchSampler, check_global_batch
 from .data.stream import TrainingStream, is_stream
@@ -27,8 +27,7 @@ from .preemption import Preempted, PreemptionCallback
 from .private_hooks import PrivateTrainerHooks
 from .run_checkpoints import RunCheckpoints
 from .run_checkpoints import checkpoint_folder
-from .runtime import (check_process_group, quiet_deepspeed_on_cpu_machines, release_at_exit,
-                      share_cores_between_cpu_ranks)
+from .runtime import check_process_group, release_at_exit, share_cores_between_cpu_ranks
 from .sagemaker import prepare_arguments as prepare_sagemaker
 from .search.callback import trial_callback
 from .settings import OptimizerSettings, SchedulerSettings
@@ -53,7 +52,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                  class_weights=None, optimizer_settings: OptimizerSettings | None = None,
                  scheduler_settings: SchedulerSettings | None = None, **kwargs):
         install_excepthook()
-        quiet_deepspeed_on_cpu_machines()  # plain TrainingArguments did not
+        prepare_environment()  # plain TrainingArguments did not
         if args is not None:
             prepare_sagemaker(args)  # plain TrainingArguments in a SageMaker job: model, checkpoints, logs placed
         self.backend = select_backend(args)
@@ -72,7 +71,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self.scheduler_settings = scheduler_settings or SchedulerSettings.from_args(self.args)
         self._model_uses_num_items = None  # decided on the first labelled batch
         self._train_order = None  # the training order (batch sampler or stream); its position goes in every checkpoint
-        self._resume = None  # {"step", "state"}: where the checkpoint being resumed stopped, and that position
+        self._resume = None  # {"checkpoint", "step", "state"}: the checkpoint resumed, its step and data position
         self._learning_rate_in_use = None  # the rate of the step being trained, where the backend knows it better
         self._evaluation_model = None  # the backend's engine for an evaluation (see evaluation_loop)
         self.checkpoints = RunCheckpoints(self)  # resume, publish, rotate, --checkpoint_uri
@@ -156,7 +155,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         if self.optimizer is not None:
             return self.optimizer
         model = model if model is not None else self.model
-        if self.backend.wraps_before_optimizer():  # parameter sharding: optimize the shards it creates
+        if self.backend.wraps_before_optimizer:  # parameter sharding: optimize the shards it creates
             model = self.model_wrapped = self.backend.wrap_model(self, model)
         settings = self.optimizer_settings
         decay = set(self.get_decay_parameter_names(model))
@@ -174,9 +173,9 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                                                      ("eps", settings.eps)) if key in kwargs or key == "lr"})
         self.optimizer = (self.backend.build_optimizer(self, groups, optimizer_cls, kwargs)
                           or optimizer_cls(groups, **kwargs))
-        if not self.backend.wraps_before_optimizer():
-            # A backend whose wrapper needs the optimizer (FairScale's ShardedDataParallel): transformers then finds
-            # the model wrapped and prepares only the optimizer; None lets accelerate wrap it (DDP).
+        if not self.backend.wraps_before_optimizer:
+            # A backend whose wrapper needs the optimizer: transformers then finds the model wrapped and prepares only
+            # the optimizer; None lets accelerate wrap it (DDP).
             wrapped = self.backend.wrap_model(self, model)
             if wrapped is not None:
                 self.model_wrapped = wrapped
@@ -243,8 +242,8 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         return super().log(logs, start_time)
 
     def save_model(self, output_dir=None, _internal_call=False):
-        if _internal_call:  # a checkpoint (every rank): what the backend gathers first, e.g. FairScale's optimizer
-            self.backend.before_checkpoint_save(self)
+        if _internal_call:  # a checkpoint (every rank): the backend's own state, written or gathered first
+            self.backend.save_checkpoint(self, output_dir)
         state_dict = self.backend.full_state_dict(self)
         if state_dict is None:
             return super().save_model(output_dir, _internal_call)
@@ -252,7 +251,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             self._save(output_dir or self.args.output_dir, state_dict=state_dict)
 
     def evaluation_loop(self, *args, **kwargs):
-        with self.backend.evaluating(self) as engine:  # e.g. ZeRO-3 before training: an engine of the backend's own
+        with self.backend.evaluating(self) as engine:  # an engine of the backend's own, where it needs one
             self._evaluation_model = engine
             try:
                 return super().evaluation_loop(*args, **kwargs)
@@ -278,7 +277,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         # No model yet: model_init builds it inside train() (hyperparameter_search drops it between trials).
         module = self.backend.unwrap(self.accelerator.unwrap_model(self.model)) if self.model is not None else None
         checkpoint = self.checkpoints.to_resume(resume_from_checkpoint,
-                                                model_fingerprint(module) if module is not None else None)
+                                                self.backend.model_fingerprint(module) if module is not None else None)
         if checkpoint:
             # The run's total, counted as transformers counts it for these flags and this data (epochs or max_steps).
             max_steps = self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
@@ -290,7 +289,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                 logger.warning("resuming from %s%s", checkpoint, " (pass --fresh_start to start over)"
                                if resume_request(resume_from_checkpoint) == AUTO else "")
             state = read_data_state(checkpoint) if not self.args.ignore_data_skip else None
-            self._resume = {"step": resumed_step(checkpoint), "state": state}
+            self._resume = {"checkpoint": checkpoint, "step": resumed_step(checkpoint), "state": state}
         self.backend.before_train(self, checkpoint)
         self.preemption.install()
         try:
@@ -312,13 +311,17 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
 
 class TrainingHooks(TrainerCallback):
     """What ExtTrainer adds at the Trainer's events: the training order's epoch where transformers cannot reach it,
-    and the backend's step once transformers has prepared the model and optimizer."""
+    and the backend's steps once transformers has prepared the model and optimizer (and loaded its part of a
+    checkpoint)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer.backend.on_train_begin(self.trainer)  # wrapped, prepared, any checkpoint loaded
+        trainer = self.trainer
+        if trainer._resume is not None:  # transformers loaded the weights, scheduler and optimizer file
+            trainer.backend.load_checkpoint(trainer, trainer._resume["checkpoint"])
+        trainer.backend.on_train_begin(trainer)
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # transformers skips a resumed epoch's first batches through a wrapper that hides set_epoch from the sampler;

@@ -2,7 +2,8 @@
 ExtTrainingArguments, under any launcher and backend: the model for tests that must run on a GPU machine that has
 only the repository. `--model_size tiny|small` picks the shape, `--head lm` a masked-LM
 head (its decoder tied to the word embeddings) trained to repeat each token, `--report_dir` writes each rank's
-model-state bytes there (benchmarks/memory.py); every other flag is an ExtTrainingArguments flag.
+model-state bytes there (benchmarks/memory.py), `--predict` the evaluation set's logits to predictions.json; every
+other flag is an ExtTrainingArguments flag.
 The final model, train_results.json (train_loss, ...) and trainer_state.json (per-step losses and gradient norms) go to
 output_dir.
 TINY_TRAIN_NONFINITE_STEPS="3" (or "3-": from step 3 on) makes the logits of those optimizer steps infinite, so their
@@ -34,6 +35,7 @@ own.add_argument("--seq_length", type=int, default=16)
 own.add_argument("--head", choices=("classification", "lm"), default="classification")
 own.add_argument("--report_dir")
 own.add_argument("--eval_samples", type=int, default=0, help="an evaluation set of this many other samples")
+own.add_argument("--predict", action="store_true", help="predictions.json: the evaluation set's logits")
 mine, rest = own.parse_known_args()
 (args,) = ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses(rest)
 
@@ -82,3 +84,7 @@ if evaluation is not None:  # every rank's final weights, evaluated together
     metrics = trainer.evaluate()
     if trainer.is_world_process_zero():
         (Path(args.output_dir) / "eval_results.json").write_text(json.dumps(metrics, indent=2))
+    if mine.predict:  # the same samples predicted: every rank's logits gathered in the samples' order
+        logits = trainer.predict(evaluation).predictions
+        if trainer.is_world_process_zero():
+            (Path(args.output_dir) / "predictions.json").write_text(json.dumps(logits.tolist()))

@@ -1,5 +1,5 @@
-"""The backend registry: one file per backend, one line here each. The arguments, experiment files, the planner and
-ExtTrainer all loop over it; importing it imports no torch."""
+"""The backend registry: one file per backend, one line here each. The arguments, experiment files, the planner, the
+checkpoint code and ExtTrainer all loop over it; importing it imports no torch."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from .base import Backend
 BACKENDS = {
     "fairscale": (".fairscale", "FairScaleBackend"),
     "deepspeed": (".deepspeed", "DeepSpeedBackend"),
+    "fsdp": (".fsdp", "FSDPBackend"),
     "ddp": (".ddp", "DDPBackend"),
 }
 
@@ -22,6 +23,22 @@ def backend_classes() -> list[type[Backend]]:
 def backend_flags() -> list[str]:
     """The arguments that choose a backend (`deepspeed`, `sharded_ddp`)."""
     return [cls.flag for cls in backend_classes() if cls.flag]
+
+
+def owned_flags() -> dict[str, tuple[str, ...]]:
+    """Selecting flag -> every argument that backend reads (its section of an experiment file and its companions)."""
+    return {cls.flag: cls.owned_flags or (cls.flag,) for cls in backend_classes() if cls.flag}
+
+
+def checkpoint_state_patterns() -> list[str]:
+    """Globs of the backends' own training-state files in a checkpoint folder (checkpoint.py asks, knowing none)."""
+    return [pattern for cls in backend_classes() for pattern in cls.checkpoint_state]
+
+
+def prepare_environment() -> None:
+    """What every installed backend library needs in the process environment, selected or not."""
+    for cls in backend_classes():
+        cls.prepare_environment()
 
 
 def backend_class(args) -> type[Backend]:
@@ -45,5 +62,13 @@ def select_backend(args) -> Backend:
     return backend_class(args)(args)
 
 
-__all__ = ["BACKENDS", "Backend", "backend_class", "backend_classes", "backend_flags", "select_backend",
-           "selection_problems"]
+def sharded_loading(args):
+    """`with sharded_loading(args): model = AutoModel....from_pretrained(...)`: the selected backend's model
+    construction context (ZeRO-3 builds and loads the model partitioned, so no rank ever holds all of it); with any
+    other backend it changes nothing, so one script serves them all. Also covers `from_config`; a model class called
+    directly is built whole."""
+    return backend_class(args).model_sharded_context(args) if args is not None else Backend.model_sharded_context(args)
+
+
+__all__ = ["BACKENDS", "Backend", "backend_class", "backend_classes", "backend_flags", "checkpoint_state_patterns",
+           "owned_flags", "prepare_environment", "select_backend", "selection_problems", "sharded_loading"]

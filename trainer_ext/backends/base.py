@@ -1,24 +1,38 @@
-"""The Backend interface: what the arguments, ExtTrainer and the planner ask of DDP, DeepSpeed or FairScale. A backend
-module imports torch and its library only when a method runs, so the registry (backends/__init__.py) and the pure
-planner can read every backend's flag, checks and memory formulas on a machine without them."""
+"""The Backend interface: a backend's whole life, as the arguments, ExtTrainer, the checkpoint code and the planner ask
+for it (the shape of Lightning's `Strategy`); none of them names a backend. A backend module imports torch and its
+library only when a method runs, so the registry (backends/__init__.py) and the pure planner can read every backend's
+flags, checks and memory formulas on a machine without them."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 
 class Backend:
     """The default (DDP through accelerate, or one process) needs none of the hooks; a backend overrides what it does
-    differently. Class-level methods run before any trainer exists (argument parsing, `trainer-ext plan`)."""
+    differently. Class-level methods run before any trainer exists (argument parsing, `trainer-ext plan`); the
+    instance methods follow one run: set up, wrap model and optimizer, step, save and load its own state, hand over
+    the whole model's weights, tear down."""
 
     name = "ddp"
     flag: str | None = None  # the argument that selects this backend (None: the default when none is selected)
+    owned_flags: tuple[str, ...] = ()  # every argument this backend reads (the selecting one first)
     library: str | None = None  # the module this backend needs installed, and how to install it
     install = ""
+    # Parameter sharding: the model is wrapped before the optimizer, which is built on the shards.
+    wraps_before_optimizer = False
+    # Glob patterns of the files or folders holding this backend's own training state in a checkpoint folder (what a
+    # checkpoint without Hugging Face weight files must have to be resumable).
+    checkpoint_state: tuple[str, ...] = ()
 
-    # -- the arguments (class level: before any trainer exists) ---------------------------------------------------
+    # -- the process and the arguments (class level: before any trainer exists) ------------------------------------
+    @classmethod
+    def prepare_environment(cls) -> None:
+        """Called for every registered backend, selected or not, before transformers or accelerate import anything:
+        what this backend's library needs in the process environment merely by being installed."""
+
     @classmethod
     def missing_library(cls, args) -> str | None:
         """One line when this backend's library is not installed (before transformers or accelerate import it)."""
@@ -60,6 +74,12 @@ class Backend:
         return None
 
     @classmethod
+    def model_sharded_context(cls, args):
+        """The context models are built and loaded in (`trainer_ext.sharded_loading(args)`): partitioned as they are
+        built where the backend can, else nothing."""
+        return nullcontext()
+
+    @classmethod
     def memory_formulas(cls, mixed: bool) -> list:
         """The planner's rows (BackendFormula, below) for the settings this backend runs."""
         return []
@@ -67,7 +87,7 @@ class Backend:
     def __init__(self, args=None):
         self.args = args
 
-    # -- a trainer's run (ExtTrainer calls these from the Trainer's public hooks) ------------------------------------
+    # -- setting up a trainer's run (ExtTrainer calls these from the Trainer's public hooks) -------------------------
     def check(self, args) -> None:
         """Fail before any work if this backend cannot run with these arguments on this machine."""
 
@@ -79,35 +99,45 @@ class Backend:
         """At the start of train(), once the checkpoint to resume (or None) is chosen, before transformers prepares
         anything."""
 
-    def on_train_begin(self, trainer) -> None:
-        """After transformers wrapped and prepared the model and optimizer and loaded any checkpoint, before the first
-        step."""
-
     def build_optimizer(self, trainer, param_groups, optimizer_cls, kwargs):
         """The optimizer over these parameter groups; None: the plain `optimizer_cls`."""
         return None
 
-    def wraps_before_optimizer(self) -> bool:
-        """True when the optimizer must be built on the wrapped model's parameters (parameter sharding)."""
-        return False
-
     def wrap_model(self, trainer, model):
         """The model wrapped for training (called once the optimizer exists, or before it with
-        wraps_before_optimizer); None: accelerate wraps it (DDP)."""
+        wraps_before_optimizer); None: accelerate wraps it (DDP). A wrapper that is a new object is trained through
+        as it is: transformers then prepares only the optimizer."""
         return None
 
     def unwrap(self, model):
+        """The user's model inside this backend's wrapper."""
         return model
 
+    def on_train_begin(self, trainer) -> None:
+        """After transformers wrapped and prepared the model and optimizer, before the first step."""
+
+    def load_checkpoint(self, trainer, checkpoint) -> None:
+        """Resuming: this backend's own training state from the checkpoint folder, on every rank, after transformers
+        loaded what it loads itself (weights before wrapping, scheduler, the optimizer file) and before the first
+        step."""
+
+    # -- each step ---------------------------------------------------------------------------------------------------
     def clip_grad_norm(self, trainer, model, max_norm: float):
         """The pre-clip total norm after clipping; None: transformers clips."""
         return None
 
-    def before_checkpoint_save(self, trainer) -> None:
-        """Called on every rank when a checkpoint is saved, before rank 0 writes the optimizer state."""
+    def learning_rate_in_use(self, trainer) -> float | None:
+        """The rate the coming optimizer step will use, where transformers would read it too late."""
+        return None
+
+    # -- checkpoints and weights ---------------------------------------------------------------------------------
+    def save_checkpoint(self, trainer, folder) -> None:
+        """Every rank, when a checkpoint is saved into `folder` (its staging folder), before transformers writes the
+        weights and rank 0 the optimizer file: this backend's own training state (written or gathered here)."""
 
     def full_state_dict(self, trainer):
-        """The whole model's weights when the model is sharded (collective); None otherwise."""
+        """The whole model's weights when the model is sharded (collective; the main process's copy is saved);
+        None otherwise."""
         return None
 
     def load_weights(self, trainer, checkpoint) -> None:
@@ -115,15 +145,21 @@ class Backend:
         loader by default, as a resume loads them."""
         trainer._load_from_checkpoint(str(checkpoint))
 
+    def model_fingerprint(self, module) -> dict:
+        """What a checkpoint records about the model, and a resume must match (a backend whose wrapping changes what the
+        model reports corrects it)."""
+        config = getattr(module, "config", None)
+        return {
+            "model_class": type(module).__name__,
+            "model_type": getattr(config, "model_type", None),
+            "num_parameters": sum(p.numel() for p in module.parameters()),
+        }
+
     @contextmanager
     def evaluating(self, trainer):
         """Around each evaluation loop: yields the model to evaluate through when transformers' own choice cannot run
-        it (ZeRO-3 before training: partitioned parameters need an engine), else None."""
+        it (an engine of the backend's own), else None."""
         yield None
-
-    def learning_rate_in_use(self, trainer) -> float | None:
-        """The rate the coming optimizer step will use, where transformers would read it too late."""
-        return None
 
     # -- what it tells and leaves behind ---------------------------------------------------------------------------
     def describe(self) -> str:
@@ -136,8 +172,9 @@ class Backend:
     def save_settings(self, output_dir) -> None:
         """Write the resolved settings next to the model (main process, after training)."""
 
-    def drop_references(self) -> None:
-        """At exit, before the process group is destroyed: release what holds it (engines of the backend's own)."""
+    def drop_references(self, trainer) -> None:
+        """At exit, before the process group is destroyed: release what holds it (engines of the backend's own, the
+        trainer's references to them)."""
 
     def teardown(self) -> None:
         """At exit, after the process group is gone: clean up what this backend leaves on the machine."""

@@ -29,6 +29,20 @@ class DeepSpeedBackend(Backend):
     flag = "deepspeed"
     library = "deepspeed"
     install = INSTALL
+    checkpoint_state = ("global_step*",)  # the engine's own checkpoint: ZeRO shards, also without consolidated weights
+
+    @classmethod
+    def prepare_environment(cls) -> None:
+        """accelerate imports DeepSpeed whenever it is installed (even for runs that do not use it), and DeepSpeed then
+        warns "Setting accelerator to CPU ... we were unable to detect it" on every machine without a GPU: a warning
+        that needs no action. DS_ACCELERATOR=cpu is DeepSpeed's own override for the choice it would make anyway,
+        unwarned."""
+        import os
+
+        from ..runtime import accelerator_available
+
+        if "DS_ACCELERATOR" not in os.environ and not accelerator_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
 
     @classmethod
     def prepare_arguments(cls, args) -> None:
@@ -48,6 +62,23 @@ class DeepSpeedBackend(Backend):
 
             args.device  # noqa: B018 (transformers' property sets up the process group)
             deepspeed.init_distributed()  # DeepSpeed's view of that group, which zero.Init reads its size from
+
+    @classmethod
+    @contextmanager
+    def model_sharded_context(cls, args):
+        """Under ZeRO-3 the model is built and loaded partitioned (DeepSpeed's zero.Init, as transformers does it), so
+        no rank ever holds all of it; at any other stage nothing changes. ExtTrainingArguments needs it only for models
+        built before the arguments; stock TrainingArguments need it (their unresolved DeepSpeed file is what zero.Init
+        would read)."""
+        resolution = getattr(args, "deepspeed_resolution", None) or resolve_stock_arguments(args)
+        if zero_stage(resolution) == 3:
+            from transformers.integrations import is_deepspeed_zero3_enabled
+
+            cls.arguments_ready(args)
+            if not is_deepspeed_zero3_enabled():  # transformers follows the config the arguments hold, weakly
+                raise RuntimeError("ZeRO-3 is resolved but transformers does not see it: the arguments' "
+                                   "hf_deepspeed_config is gone")
+        yield
 
     @classmethod
     def memory_formulas(cls, mixed: bool) -> list:
@@ -230,8 +261,15 @@ class DeepSpeedBackend(Backend):
             path = Path(output_dir) / "ds_config.resolved.json"
             path.write_text(json.dumps(self.resolution.config, indent=2) + "\n")
 
-    def drop_references(self) -> None:
+    def model_fingerprint(self, module) -> dict:
+        # Under ZeRO-3 a parameter's numel is its gathered size only while gathered; ds_numel is always the whole.
+        fingerprint = super().model_fingerprint(module)
+        fingerprint["num_parameters"] = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+        return fingerprint
+
+    def drop_references(self, trainer) -> None:
         self.release_evaluation_engine()
+        trainer.deepspeed = None  # transformers' own reference to the training engine
 
     def teardown(self) -> None:
         from ..leftovers import remove_own_shm_buffer
@@ -365,25 +403,6 @@ def resolve_stock_arguments(args):
     return resolution
 
 
-@contextmanager
-def sharded_loading(args):
-    """`with sharded_loading(args): model = AutoModel....from_pretrained(...)`: under ZeRO-3 the model is built and
-    loaded partitioned (DeepSpeed's zero.Init, as transformers does it), so no rank ever holds all of it; with any
-    other backend or stage it changes nothing, so one script serves them all. ExtTrainingArguments needs it only for
-    models built before the arguments; stock TrainingArguments need it (their unresolved DeepSpeed file is what
-    zero.Init would read). Also covers `from_config`; a model class called directly is built whole."""
-    if args is not None and DeepSpeedBackend.selected(args):
-        resolution = getattr(args, "deepspeed_resolution", None) or resolve_stock_arguments(args)
-        if zero_stage(resolution) == 3:
-            from transformers.integrations import is_deepspeed_zero3_enabled
-
-            DeepSpeedBackend.arguments_ready(args)
-            if not is_deepspeed_zero3_enabled():  # transformers follows the config the arguments hold, weakly
-                raise RuntimeError("ZeRO-3 is resolved but transformers does not see it: the arguments' "
-                                   "hf_deepspeed_config is gone")
-    yield
-
-
 def prepare_process(args) -> None:
     """What DeepSpeed needs before its first op loads: a 1-rank job's variables when no launcher set them, no stale
     build locks or shared-memory buffers of killed jobs, and a TORCH_CUDA_ARCH_LIST its op builder can read."""
@@ -391,7 +410,7 @@ def prepare_process(args) -> None:
     from ..leftovers import clear_leftovers
     from ..runtime import cpu_ranks, launch_one_rank_without_launcher
 
-    launch_one_rank_without_launcher()
+    launch_one_rank_without_launcher()  # without a launcher DeepSpeed looks for MPI and dies importing mpi4py
     clear_leftovers()
     if not cpu_ranks(args):
         prepare_for_deepspeed()

@@ -78,6 +78,7 @@ class FairScaleBackend(Backend):
         super().__init__(args)
         self.options = list(getattr(args, "sharded_ddp", None) or [])
         self.fully_sharded = "zero_dp_2" in self.options or "zero_dp_3" in self.options
+        self.wraps_before_optimizer = self.fully_sharded  # FSDP: the optimizer is built on its shards
         self.offload = "offload" in self.options
 
     def describe(self) -> str:
@@ -108,9 +109,6 @@ class FairScaleBackend(Backend):
         # which OSS refuses before consolidation; transformers' own prepare call then leaves it as it is.
         return trainer.accelerator.prepare(OSS(params=param_groups, optim=optimizer_cls, **kwargs),
                                            device_placement=[False])
-
-    def wraps_before_optimizer(self) -> bool:
-        return self.fully_sharded
 
     # -- model -----------------------------------------------------------------------------------------
     def wrap_model(self, trainer, model):
@@ -143,9 +141,9 @@ class FairScaleBackend(Backend):
             return model.clip_grad_norm_(max_norm)
         return sharded_optimizer(trainer.optimizer).clip_grad_norm(max_norm)
 
-    def before_checkpoint_save(self, trainer) -> None:
-        """Gather the sharded state on rank 0 (a collective: every rank takes part) so it saves one plain
-        optimizer state dict, which resumes on any number of ranks."""
+    def save_checkpoint(self, trainer, folder) -> None:
+        """Gather the sharded state on rank 0 (a collective: every rank takes part) so that transformers saves one
+        plain optimizer state dict, which resumes on any number of ranks."""
         if not self.fully_sharded:
             sharded_optimizer(trainer.optimizer).consolidate_state_dict(recipient_rank=0)
 

@@ -1,0 +1,457 @@
+"""PyTorch FSDP2 (`--fsdp full_shard|shard_grad_op [offload] [auto_wrap]` with transformers' `--fsdp_config` keys):
+parameters, gradients and optimizer state sharded over the ranks by torch's `fully_shard`, applied by this backend
+itself on CPU ranks (gloo) and GPUs alike; every checkpoint holds the consolidated Hugging Face model and the
+optimizer's shards (torch.distributed.checkpoint), which resume on any number of ranks."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import ArgumentsError, UserError, closest
+from .base import Backend
+
+logger = logging.getLogger(__name__)
+
+OPTIONS = ("full_shard", "shard_grad_op", "offload", "auto_wrap")
+FSDP1_OPTIONS = ("hybrid_shard", "hybrid_shard_zero2", "no_shard")  # sharding strategies FSDP2 does not have
+WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
+CONFIG_KEYS = ("version", "reshard_after_forward", "cpu_offload", "offload_params", "activation_checkpointing",
+               "cpu_ram_efficient_loading", "state_dict_type", "auto_wrap_policy", "transformer_layer_cls_to_wrap",
+               "min_num_params")
+FSDP1_KEYS = ("sharding_strategy", "backward_prefetch", "forward_prefetch", "use_orig_params", "sync_module_states",
+              "limit_all_gathers")
+XLA_KEYS = ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings")  # transformers adds the first three, off
+SHARDS = "optimizer_shards"  # the checkpoint's folder of optimizer shards (torch.distributed.checkpoint)
+INSTALL = "pip install 'torch>=2.6'"
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    """What `--fsdp` and `--fsdp_config` decide, resolved once from the flags."""
+
+    reshard_after_forward: bool = True  # full_shard; False: shard_grad_op (parameters stay gathered until backward)
+    offload: bool = False  # shards in CPU memory, the optimizer step on the CPU
+    auto_wrap_policy: str = "TRANSFORMER_BASED_WRAP"
+    layer_classes: tuple[str, ...] = ()  # transformer_layer_cls_to_wrap; () -> the model's _no_split_modules
+    min_num_params: int = 0  # SIZE_BASED_WRAP
+    activation_checkpointing: bool = False
+    cpu_ram_efficient_loading: bool = False
+
+    def describe(self) -> str:
+        return "full_shard" if self.reshard_after_forward else "shard_grad_op"
+
+
+def fsdp_words(value) -> list[str]:
+    """`--fsdp "full_shard auto_wrap"`, a list, or a bare `--fsdp` (True) -> its option words."""
+    if value is None or value is False or value is True:
+        return []
+    return value.split() if isinstance(value, str) else [w for item in value for w in str(item).split()]
+
+
+def read_config(value, problems: list[str]) -> dict:
+    """--fsdp_config as a dict: a dict, inline JSON, or a JSON file (transformers' forms), `fsdp_` prefixes dropped;
+    a copy, never the caller's."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        text = value
+        if not value.lstrip().startswith("{"):
+            try:
+                text = Path(value).read_text()
+            except OSError as err:
+                problems.append(f"--fsdp_config {value}: cannot read it ({err.strerror}); give a JSON file or inline "
+                                "JSON such as '{\"transformer_layer_cls_to_wrap\": [\"BertLayer\"]}'")
+                return {}
+        try:
+            value = json.loads(text)
+        except ValueError as err:
+            problems.append(f"--fsdp_config {value}: not JSON ({err})")
+            return {}
+    if not isinstance(value, dict):
+        problems.append(f"--fsdp_config: expected a JSON object, got {type(value).__name__}")
+        return {}
+    return {key[5:] if key.startswith("fsdp_") else key: json.loads(json.dumps(item)) for key, item in value.items()}
+
+
+def as_bool(config: dict, key: str, default: bool, problems: list[str]) -> bool:
+    value = config.get(key, default)
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if isinstance(value, bool):
+        return value
+    problems.append(f"--fsdp_config {key}={value!r}: expected true or false")
+    return default
+
+
+def resolve_settings(fsdp, fsdp_config) -> tuple[FSDPSettings, dict, list[str]]:
+    """(settings, the config as a dict, problems) for `--fsdp` and `--fsdp_config`; pure. The option words become the
+    config keys transformers gives them (full_shard/shard_grad_op: reshard_after_forward, offload: cpu_offload)."""
+    problems: list[str] = []
+    words = fsdp_words(fsdp)
+    for word in words:
+        if word in FSDP1_OPTIONS:
+            problems.append(f"--fsdp {word}: a sharding strategy of FSDP1 only; this backend runs FSDP2 (torch's "
+                            "fully_shard), which has full_shard (parameters resharded after forward) and shard_grad_op "
+                            "(kept until backward): use one of them")
+        elif word not in OPTIONS:
+            hint = closest(word, OPTIONS)
+            problems.append(f"--fsdp: unknown option {word!r}" + (f", did you mean {hint!r}?" if hint else "")
+                            + f" (valid: {', '.join(OPTIONS)})")
+    if "full_shard" in words and "shard_grad_op" in words:
+        problems.append("--fsdp: 'full_shard' and 'shard_grad_op' exclude each other; choose one")
+    config = read_config(fsdp_config, problems)
+    for key in config:
+        if key in FSDP1_KEYS:
+            problems.append(f"--fsdp_config {key}: an FSDP1 setting; FSDP2 (this backend) has no such option: drop it")
+        elif key in XLA_KEYS:
+            if config[key] not in (False, None, "false", {}):
+                problems.append(f"--fsdp_config {key}: PyTorch/XLA FSDP is not supported (TPUs); drop it")
+        elif key not in CONFIG_KEYS:
+            hint = closest(key, CONFIG_KEYS)
+            problems.append(f"--fsdp_config: unknown key {key!r}" + (f", did you mean {hint!r}?" if hint else "")
+                            + f" (keys: {', '.join(CONFIG_KEYS)})")
+    version = config.get("version", 2)
+    if str(version) != "2":
+        problems.append(f"--fsdp_config version={version}: FSDP1 is deprecated in transformers and not supported "
+                        "here; this backend runs FSDP2: drop version (or set 2)")
+    strategy = {"full_shard": True, "shard_grad_op": False}
+    chosen = [strategy[word] for word in words if word in strategy]
+    reshard = as_bool(config, "reshard_after_forward", chosen[0] if chosen else True, problems)
+    if chosen and "reshard_after_forward" in config and reshard != chosen[0]:
+        problems.append(f"--fsdp {next(w for w in words if w in strategy)} and --fsdp_config reshard_after_forward="
+                        f"{config['reshard_after_forward']} disagree: keep one of them")
+    offload = "offload" in words or as_bool(config, "cpu_offload", False, problems) \
+        or as_bool(config, "offload_params", False, problems)  # accelerate config's fsdp_offload_params
+    policy = str(config.get("auto_wrap_policy", WRAP_POLICIES[0])).upper()
+    if policy not in WRAP_POLICIES:
+        problems.append(f"--fsdp_config auto_wrap_policy={config['auto_wrap_policy']!r}: choose one of "
+                        f"{', '.join(WRAP_POLICIES)}")
+    layers = config.get("transformer_layer_cls_to_wrap") or ()
+    if isinstance(layers, str):
+        layers = [name.strip() for name in layers.split(",") if name.strip()]  # accelerate's comma-separated form
+    minimum = config.get("min_num_params", 0)
+    if not isinstance(minimum, int) or isinstance(minimum, bool) or minimum < 0:
+        problems.append(f"--fsdp_config min_num_params={minimum!r}: expected a whole number >= 0")
+        minimum = 0
+    if str(config.get("state_dict_type", STATE_DICT_TYPES[0])).upper() not in STATE_DICT_TYPES:
+        problems.append(f"--fsdp_config state_dict_type={config['state_dict_type']!r}: choose one of "
+                        f"{', '.join(STATE_DICT_TYPES)} (checkpoints hold both the consolidated model and the shards)")
+    settings = FSDPSettings(reshard, offload, policy, tuple(layers), minimum,
+                            as_bool(config, "activation_checkpointing", False, problems),
+                            as_bool(config, "cpu_ram_efficient_loading", False, problems))
+    return settings, config, problems
+
+
+class FSDPBackend(Backend):
+    name = "fsdp"
+    flag = "fsdp"
+    owned_flags = ("fsdp", "fsdp_config")
+    wraps_before_optimizer = True  # the optimizer is built on the shards fully_shard creates
+    checkpoint_state = (SHARDS,)
+
+    @classmethod
+    def selected(cls, args) -> bool:
+        value = getattr(args, "fsdp", None)
+        return (bool(value) and value != "false") or getattr(args, "fsdp_settings", None) is not None
+
+    @classmethod
+    def missing_library(cls, args) -> str | None:
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401 (public from torch 2.6)
+        except ImportError:
+            return (f"{cls.given_as(args)} needs torch's fully_shard (FSDP2, torch >= 2.6), which this torch lacks: "
+                    f"{INSTALL}")
+        return None
+
+    @classmethod
+    def given_as(cls, args) -> str:
+        return " ".join(["--fsdp", *fsdp_words(args.fsdp)])
+
+    @classmethod
+    def flag_problems(cls, args) -> list[str]:
+        fsdp, fsdp_config = getattr(args, "fsdp", None), getattr(args, "fsdp_config", None)
+        if not cls.selected(args):
+            return ["--fsdp_config is read only with --fsdp: add --fsdp full_shard, or drop --fsdp_config"] \
+                if fsdp_config else []
+        _, config, problems = resolve_settings(fsdp, fsdp_config)
+        if not problems:
+            args.fsdp_config = config  # read once (a file or inline JSON), as transformers then reads it
+        return problems
+
+    @classmethod
+    def prepare_arguments(cls, args) -> None:
+        from ..runtime import cpu_ranks, launch_one_rank_without_launcher
+
+        settings = resolve_settings(args.fsdp, args.fsdp_config)[0]
+        if settings.offload and cpu_ranks(args):
+            raise ArgumentsError(f"{cls.given_as(args)}: offload moves the shards from the GPU to CPU memory, and on "
+                                 "CPU ranks they are there already: drop offload (and cpu_offload/offload_params)")
+        args.fsdp_settings = settings
+        launch_one_rank_without_launcher()  # fully_shard needs a process group, also for one process
+
+    @classmethod
+    def arguments_ready(cls, args) -> None:
+        # accelerate turns FSDP on for GPUs only, and would then shard the model itself; this backend wraps it on
+        # every device, so accelerate is given no FSDP plugin.
+        args.fsdp_plugin_args = None
+
+    @classmethod
+    def memory_formulas(cls, mixed: bool) -> list:
+        from .base import BackendFormula
+
+        # fp32 shards of the parameters (the master weights under --bf16/--fp16), their gradients and Adam's moments;
+        # only the layer being computed is gathered, in the compute dtype.
+        gathered = "16-bit" if mixed else "fp32"
+        return [
+            BackendFormula("fsdp", "--fsdp full_shard", (4, True), (4, True), (8, True), 1.5, preference=55,
+                           note=f"plus one layer's {gathered} parameters gathered at a time (transient)"),
+            BackendFormula("fsdp_shard_grad_op", "--fsdp shard_grad_op", (4, True), (4, True), (8, True), 1.0,
+                           preference=35, extra=lambda n, world: {"params": n * (2 if mixed else 4)},
+                           note=f"params include the whole model's {gathered} parameters, gathered through forward "
+                                "and backward"),
+        ]
+
+    def __init__(self, args=None):
+        super().__init__(args)
+        self.settings: FSDPSettings | None = getattr(args, "fsdp_settings", None)
+        self.model = None  # the model fully_shard was applied to (the root)
+        self.optimizer = None  # the torch optimizer over its shards
+        self.optimizer_file = None  # what transformers' optimizer file holds (OptimizerFile)
+
+    def check(self, args) -> None:
+        if missing := type(self).missing_library(args):  # stock TrainingArguments did not ask
+            raise ArgumentsError(missing)
+        if self.settings is None:  # stock TrainingArguments: transformers normalised the flags into fsdp_config
+            settings, _, problems = resolve_settings(args.fsdp, args.fsdp_config)
+            if problems:
+                raise ArgumentsError("\n".join(problems))
+            self.settings = args.fsdp_settings = settings
+            type(self).arguments_ready(args)
+        from transformers.training_args import ParallelMode
+
+        if args.parallel_mode != ParallelMode.DISTRIBUTED:
+            # transformers refuses --fsdp on one process ("only works in distributed training"); fully_shard on a
+            # mesh of one rank trains as one process and writes checkpoints any number of ranks resume. The flag is
+            # hidden from that check; the settings select this backend.
+            args.fsdp = False
+        if self.settings.cpu_ram_efficient_loading:
+            logger.warning("--fsdp_config cpu_ram_efficient_loading: not applied; every rank builds and loads the "
+                           "whole model, then keeps its shard (README, 'PyTorch FSDP2')")
+
+    # -- model and optimizer ---------------------------------------------------------------------------------------
+    def wrap_model(self, trainer, model):
+        from torch.distributed.fsdp import FSDPModule
+
+        if getattr(model, "wraps_fully_sharded", False):
+            return model
+        if not isinstance(model, FSDPModule):  # (a later train() finds it sharded already)
+            shard(model, self.settings, trainer.args)
+            # autocast under --bf16/--fp16 as DDP runs it (softmax, norms, losses in fp32), over the policy's
+            # 16-bit parameters; accelerate wraps nothing in evaluation mode.
+            trainer.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+        self.model = model
+        # A distinct object: transformers trains through it and prepares only the optimizer (accelerate would
+        # wrap the sharded model in DDP); evaluation and generation run the model itself.
+        return wrapper_class()(model)
+
+    def unwrap(self, model):
+        return model.module if getattr(model, "wraps_fully_sharded", False) else model
+
+    def build_optimizer(self, trainer, param_groups, optimizer_cls, kwargs):
+        self.optimizer = optimizer_cls(param_groups, **kwargs)
+        self.optimizer_file = OptimizerFile(self.optimizer)
+        return self.optimizer
+
+    # -- steps -----------------------------------------------------------------------------------------------------
+    def clip_grad_norm(self, trainer, model, max_norm: float):
+        """One norm over every rank's gradient shards (a plain tensor, as transformers logs it); every rank clips its
+        shard by the same factor. Under --fp16 the loss scale comes out first, as accelerate does."""
+        from torch.distributed.tensor import DTensor
+        from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+        trainer.accelerator.unscale_gradients()
+        parameters = [p for p in self.model.parameters() if p.grad is not None]
+        norm = get_total_norm([p.grad for p in parameters])
+        total = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if isinstance(norm, DTensor):
+            clip_grads_with_norm_(parameters, max_norm, DTensor.from_local(total, norm.device_mesh))
+        else:
+            clip_grads_with_norm_(parameters, max_norm, total)
+        return total
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+    def save_checkpoint(self, trainer, folder) -> None:
+        """Every rank writes its optimizer shard into `<checkpoint>/optimizer_shards` (torch.distributed.checkpoint:
+        one file per rank and the layout, which any number of ranks can read back); transformers' optimizer file
+        then says where the state is."""
+        if self.model is None or self.optimizer is None or trainer.args.save_only_model:
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        self.optimizer_file.stub_next = False
+        state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        dcp.save(state, checkpoint_id=str(Path(folder) / SHARDS))
+        self.optimizer_file.stub_next = True
+
+    def load_checkpoint(self, trainer, checkpoint) -> None:
+        """The optimizer's shards, re-sharded by torch.distributed.checkpoint for this run's ranks (the weights came
+        from the checkpoint's consolidated model, loaded by transformers before wrapping)."""
+        folder = Path(checkpoint) / SHARDS
+        if not folder.is_dir():
+            raise UserError(f"checkpoint {checkpoint} has no {SHARDS}/ (written by another backend): resume it with "
+                            "the backend that wrote it, or pass --fresh_start")
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        self.optimizer_file.stub_next = False
+        state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        dcp.load(state, checkpoint_id=str(folder))
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+
+    def full_state_dict(self, trainer):
+        """The whole model, gathered tensor by tensor into the main process's CPU memory (every rank takes part)."""
+        if self.model is None:  # not wrapped yet (evaluation only): every rank holds the whole model
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def model_fingerprint(self, module) -> dict:
+        fingerprint = super().model_fingerprint(module)  # a DTensor's numel is the whole parameter's
+        fingerprint["model_class"] = fingerprint["model_class"].removeprefix("FSDP")  # fully_shard's class, as
+        return fingerprint  # transformers names it in config.json
+
+    # -- what it tells ---------------------------------------------------------------------------------------------
+    def describe(self) -> str:
+        return f"fsdp2 {self.settings.describe()}" if self.settings else "fsdp2"
+
+    def settings_lines(self) -> list[str]:
+        if self.settings is None:
+            return []
+        lines = [f"fully_shard {json.dumps(asdict(self.settings))}"]
+        compute = "bf16" if getattr(self.args, "bf16", False) else "fp16" if getattr(self.args, "fp16", False) else None
+        if compute:  # what MixedPrecisionPolicy does (shard): users check that the upcast is applied
+            lines.append(f"mixed precision: {compute} parameters gathered for forward and backward, gradients reduced "
+                         "in fp32, the fp32 shards (master weights) stepped and saved")
+        if self.settings.cpu_ram_efficient_loading:
+            lines.append("note: cpu_ram_efficient_loading is not applied (every rank loads the whole model)")
+        return lines
+
+    def save_settings(self, output_dir) -> None:
+        if self.settings is not None:
+            path = Path(output_dir) / "fsdp_settings.resolved.json"
+            path.write_text(json.dumps(asdict(self.settings), indent=2) + "\n")
+
+
+def shard(model, settings: FSDPSettings, args) -> None:
+    """fully_shard on each wrap unit (transformer layers, or modules of at least min_num_params), then on the model
+    itself, which keeps every parameter left over; on a mesh of all ranks of this device type (gloo on CPU)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(args.device.type, (args.world_size,))
+    compute = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    # 16-bit copies for forward and backward, fp32 shards (the master weights), gradients reduced in fp32.
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
+    options = dict(mesh=mesh, reshard_after_forward=settings.reshard_after_forward, mp_policy=policy,
+                   offload_policy=CPUOffloadPolicy() if settings.offload else OffloadPolicy())
+    if settings.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+        # transformers' own: each layer recomputed in backward, parameter names unchanged
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for module in wrap_units(model, settings):
+        fully_shard(module, **options)
+    fully_shard(model, **options)
+    if hasattr(model, "generate"):
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(model, "generate")  # gathered for generation as for forward
+        # transformers' mark of an FSDP2 model: generation keeps the ranks in step (synced_gpus), as every rank
+        # must join each layer's all-gather.
+        model._is_fsdp_managed_module = True
+
+
+def wrap_units(model, settings: FSDPSettings) -> list:
+    """The submodules sharded on their own, innermost first. A module holding a parameter it shares with another
+    module (tied embeddings) stays in the model's own group."""
+    from collections import Counter
+
+    modules = [(name, module) for name, module in model.named_modules() if module is not model]
+    if settings.auto_wrap_policy == "NO_WRAP":
+        return []
+    uses = Counter(id(p) for _, m in model.named_modules(remove_duplicate=False)
+                   for p in m.parameters(recurse=False))
+
+    def shared(module) -> bool:
+        inside = Counter(id(p) for m in module.modules() for p in m.parameters(recurse=False))
+        return any(uses[key] > count for key, count in inside.items())
+
+    units = []
+    if settings.auto_wrap_policy == "SIZE_BASED_WRAP":
+        claimed = set()
+        for _, module in reversed(modules):
+            own = [p for p in module.parameters() if id(p) not in claimed]
+            if own and sum(p.numel() for p in own) >= max(settings.min_num_params, 1) and not shared(module):
+                units.append(module)
+                claimed.update(id(p) for p in own)
+        return units
+    names = set(settings.layer_classes)
+    if not names:  # transformers' fallback: the classes the model says must not be split
+        names = {name for module in model.modules() for name in (getattr(module, "_no_split_modules", None) or ())}
+    present = {type(module).__name__ for _, module in modules}
+    missing = sorted(set(settings.layer_classes) - present)
+    if missing:
+        candidates = sorted(name for name, count in Counter(type(m).__name__ for _, m in modules).items() if count > 1)
+        raise UserError(f"--fsdp_config transformer_layer_cls_to_wrap: {', '.join(missing)} is not a module class of "
+                        f"{type(model).__name__} (its repeated classes: {', '.join(candidates)})")
+    return [module for _, module in reversed(modules) if type(module).__name__ in names and not shared(module)]
+
+
+@functools.cache
+def wrapper_class():
+    """The class below, built on first use (it subclasses torch's Module: no torch at import)."""
+    import torch
+
+    class FullyShardedModel(torch.nn.Module):
+        """What transformers trains through: the sharded model itself runs (its own hooks gather and free each
+        group); this object only makes it a model transformers does not prepare again."""
+
+        wraps_fully_sharded = True
+
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    return FullyShardedModel
+
+
+class OptimizerFile:
+    """transformers saves the optimizer as rank 0's `torch.save(optimizer.state_dict())` and loads it back on every
+    rank; under FSDP the state is in the checkpoint's shards instead. Once save_checkpoint wrote them, the next
+    state_dict() is a stub saying so (no parameter groups: loading it into any other optimizer fails loudly instead of
+    training on empty moments), and loading the stub changes nothing (load_checkpoint reads the shards). Through the
+    optimizer's public state-dict hooks."""
+
+    def __init__(self, optimizer):
+        self.stub_next = False
+        optimizer.register_state_dict_post_hook(self.after_state_dict)
+        optimizer.register_load_state_dict_pre_hook(self.before_load)
+
+    def after_state_dict(self, optimizer, state_dict):
+        if not self.stub_next:
+            return None
+        self.stub_next = False
+        return {"state": {}, "param_groups": [], "trainer_ext": f"the state is in {SHARDS}/ "
+                                                                "(torch.distributed.checkpoint, one file per rank)"}
+
+    def before_load(self, optimizer, state_dict):
+        return optimizer.state_dict() if "trainer_ext" in state_dict else None
