@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-from test_sagemaker import QA, clean_env, eval_loss, losses_printed, run_job, write_job  # noqa: E402
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "integration")]
+from test_sagemaker import QA, TRAIN, clean_env, eval_loss, losses_printed, run_job, write_job  # noqa: E402
 
 from trainer_ext.checkpoint import MARKER, checkpoint_step, newest_valid_checkpoint  # noqa: E402
 
@@ -44,7 +44,7 @@ def stopped_job(root: Path, values: dict, save_steps: int, extra_steps: int = 2)
 
     env = write_job(root, QA, values)
     log = open(root / "job.log", "w")
-    job = subprocess.Popen(["train"], env={**clean_env(), "PYTHONUNBUFFERED": "1", **env}, cwd=root, stdout=log,
+    job = subprocess.Popen([TRAIN], env={**clean_env(), "PYTHONUNBUFFERED": "1", **env}, cwd=root, stdout=log,
                            stderr=subprocess.STDOUT, start_new_session=True)
     marker = root / "checkpoints" / f"checkpoint-{save_steps}" / MARKER
     while job.poll() is None and not marker.is_file():

@@ -20,7 +20,11 @@ from trainer_ext.errors import ArgumentsError
 
 TINY_TRAIN = REPO / "tests" / "scripts" / "tiny_train.py"
 OWN_SCRIPT = REPO / "tests" / "scripts" / "own_script.py"
-TOOLKIT = {"SM_STUDIO_LOCAL_MODE": "true", "SAGEMAKER_TRAINING_MODULE": "sagemaker_pytorch_container.training:main"}
+TOOLKIT = {"SM_STUDIO_LOCAL_MODE": "true", "SAGEMAKER_TRAINING_MODULE": "sagemaker_pytorch_container.training:main",
+           # as in the container: the toolkit's `train` and the launchers it starts come from this environment (make
+           # test runs .venv/bin/python without activating .venv)
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+TRAIN = str(BIN / "train")  # the toolkit's entry point, as the container's CMD runs it
 
 
 # -- a job on this machine, through the real toolkit ------------------------------------------------------------------
@@ -60,7 +64,7 @@ def write_job(root: Path, script: Path, hyperparameters: dict, *, channels=None,
 def run_job(root: Path, script: Path, hyperparameters: dict, check=True, **job):
     """Write the job and run `train` to its end; the toolkit prints the ranks' output on its stdout."""
     env = write_job(root, script, hyperparameters, **job)
-    out = run(["train"], env=env, cwd=root, timeout=900)
+    out = run([TRAIN], env=env, cwd=root, timeout=900)
     if check:
         assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     return out
@@ -116,7 +120,7 @@ def test_spot_stop_then_restart_on_a_new_instance_finishes_the_job(uninterrupted
     first = tmp_path / "first"
     env = write_job(first, TINY_TRAIN, SPOT)
     with open(tmp_path / "first.log", "w") as log:
-        job = subprocess.Popen(["train"], env={**clean_env(), "PYTHONUNBUFFERED": "1", **env}, cwd=first,
+        job = subprocess.Popen([TRAIN], env={**clean_env(), "PYTHONUNBUFFERED": "1", **env}, cwd=first,
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         sent = stop_like_spot(job, first / "checkpoints" / f"checkpoint-{SAVE_STEPS}" / MARKER)
     text = (tmp_path / "first.log").read_text()
@@ -245,7 +249,7 @@ def test_two_hosts_train_as_one_job(uninterrupted, tmp_path):
     for index, host in enumerate(hosts):
         root = tmp_path / f"host{index + 1}"
         env = write_job(root, TINY_TRAIN, hyperparameters, processes=1, hosts=hosts, current_host=host)
-        jobs.append(subprocess.Popen(["train"], env={**clean_env(), "PYTHONUNBUFFERED": "1", **env}, cwd=root,
+        jobs.append(subprocess.Popen([TRAIN], env={**clean_env(), "PYTHONUNBUFFERED": "1", **env}, cwd=root,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True))
     outputs = [job.communicate(timeout=600)[0] for job in jobs]
