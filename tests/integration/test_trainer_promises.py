@@ -178,9 +178,10 @@ def test_auto_find_batch_size_survives_a_finished_run_started_again(tmp_path):
 
     flags = dict(auto_find_batch_size=True, per_device_train_batch_size=16)
     first, _ = trained(tmp_path / "run", callbacks=[OutOfMemoryAt16()], **flags)
-    assert first.state.train_batch_size == 14
+    found = first.state.train_batch_size  # accelerate 1.3 halves (8), newer releases take 10% off (14)
+    assert found < 16
     again, outcome = trained(tmp_path / "run", resume=True, **flags)
-    assert outcome.metrics.get("already_complete") and again._train_batch_size == 14
+    assert outcome.metrics.get("already_complete") and again._train_batch_size == found
 
 
 @pytest.mark.launch

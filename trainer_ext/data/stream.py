@@ -46,11 +46,32 @@ def collate_with_placeholders(collate):
     return collate_batch
 
 
+# datasets 3.0-3.5.1 resumed a stream from its state_dict() one step off (tests/unit/test_stream.py, make
+# test-oldest); 3.6.0 is the first release found exact.
+DATASETS_EXACT_FROM = (3, 6)
+
+
+def _datasets_version() -> str:
+    from importlib.metadata import version
+
+    return version("datasets")
+
+
+def _older_than(release: tuple[int, ...]) -> bool:
+    import re
+
+    numbers = tuple(int(part) for part in re.findall(r"\d+", _datasets_version())[:len(release)])
+    return numbers < release
+
+
 def exact_state(source) -> str | None:
     """Why the source cannot be resumed from its own saved position, or None when it can."""
     if not (callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None))):
         return "it has no state_dict()/load_state_dict() to say where it stands"
     iterable = getattr(source, "_ex_iterable", None)  # datasets: the chain of example iterables behind the dataset
+    if iterable is not None and _older_than(DATASETS_EXACT_FROM):
+        return (f"datasets {_datasets_version()} does not restore a stream's position exactly (measured: from "
+                f"{'.'.join(map(str, DATASETS_EXACT_FROM))} it does)")
     while iterable is not None:
         if type(iterable).__name__ == "BufferShuffledExamplesIterable":
             return "datasets does not save a shuffle buffer (shuffle(buffer_size=...)) with the stream's position"
