@@ -89,10 +89,9 @@ def holder_problem(output_dir) -> str | None:
 
 
 def _ours(record: dict) -> bool:
-    from .processes import this_process
+    from .processes import same_process, this_process
 
-    me = this_process()
-    return record.get("host") == me["host"] and record.get("pid") == me["pid"]
+    return same_process(record, this_process())  # host, pid and start time: a reused pid is not us
 
 
 def _stale(output_dir, record: dict) -> bool:

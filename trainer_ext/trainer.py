@@ -25,8 +25,7 @@ from .metrics_check import checked_compute_metrics
 from .output_dir import hold_output_dir, release_output_dir
 from .preemption import Preempted, PreemptionCallback
 from .private_hooks import PrivateTrainerHooks
-from .run_checkpoints import RunCheckpoints
-from .run_checkpoints import checkpoint_folder
+from .run_checkpoints import RunCheckpoints, checkpoint_folder
 from .runtime import check_process_group, release_at_exit, share_cores_between_cpu_ranks
 from .sagemaker import prepare_arguments as prepare_sagemaker
 from .search.callback import trial_callback

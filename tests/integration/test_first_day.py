@@ -540,3 +540,21 @@ def test_batch_eval_metrics_may_return_nothing_until_the_last_batch():
     assert "compute_result" in inspect.signature(checked).parameters  # transformers checks this at init
     assert checked(None, compute_result=False) is None
     assert checked(None, compute_result=True) == {"accuracy": 1.0}
+
+
+@pytest.mark.parametrize("task", ["classification", "qa", "translation"])
+def test_a_mistyped_data_file_names_the_file_it_likely_meant(tmp_path, task):
+    """`--train_file data/trian.jsonl` said only that no such file exists, beside a data/train.jsonl."""
+    from types import SimpleNamespace
+
+    from trainer_ext.errors import ArgumentsError
+    from trainer_ext.experiment import argument_classes
+    from trainer_ext.tasks import translation
+
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    typo = tmp_path / "trian.jsonl"
+    _, data_cls, _ = argument_classes(task)
+    with pytest.raises(ArgumentsError, match=r"did you mean .*train\.jsonl\?"):
+        data = data_cls(train_file=str(typo))
+        if task == "translation":  # its files are checked when the run reads them
+            translation.data_files(data, SimpleNamespace(do_train=True, do_eval=False, do_predict=False))

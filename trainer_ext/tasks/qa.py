@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArgumentsError
-from .common import (REPO, ModelArguments, check_sample_limits, first, load_config, load_tokenizer, shipped_model,
-                     train_and_save, with_channels)
+from .common import (REPO, ModelArguments, check_sample_limits, first, load_config, load_tokenizer, nearby,
+                     shipped_model, train_and_save, with_channels)
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +283,8 @@ class DataArguments:
                 problems.append(f"--{name} {getattr(self, name)} must be at least 1")
         for split, path in self.data_files().items():
             if not Path(path).is_file():
-                problems.append(f"--{split}_file {path}: no such file (a SQuAD-format JSON file is needed)")
+                problems.append(f"--{split}_file {path}: no such file (a SQuAD-format JSON file is needed)"
+                                f"{nearby(path)}")
         if problems:
             raise ArgumentsError("; ".join(problems))
 

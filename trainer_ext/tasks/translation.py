@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import ArgumentsError
 from .common import ModelArguments as CommonModelArguments
-from .common import check_sample_limits, reading, shipped_model, train_and_save, with_channels
+from .common import check_sample_limits, nearby, reading, shipped_model, train_and_save, with_channels
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def data_files(data_args: DataArguments, training_args) -> dict[str, str]:
         path = Path(path) if path is not None else SHIPPED_DATA / f"{split}.jsonl"
         if not path.is_file():
             source = f"--{split}_file" if given[split] is not None else f"the shipped default for --{split}_file"
-            missing.append(f"{source}: no such file {path}")
+            missing.append(f"{source}: no such file {path}{nearby(path)}")
         files[split] = str(path)
     if missing:
         raise DataFileError("; ".join(missing) + " (give existing JSON lines files, one {\"translation\": "
