@@ -19,7 +19,8 @@ _LAZY = {
     "DeepSpeedConfigError": ".deepspeed_config",
     "ArgumentsError": ".errors",
     "Preempted": ".preemption",
-    "sharded_loading": ".backends",
+    "sharded_loading": ".process_setup",
+    "prepare_process": ".process_setup",
 }
 __all__ = sorted(_LAZY)
 

@@ -1,5 +1,7 @@
 """ExtTrainingArguments: transformers' TrainingArguments plus the v4 flags our users still type, every flag validated at
-parse time (all problems at once), and the chosen backend's settings resolved before transformers sees them."""
+parse time (all problems at once), and the chosen backend's settings resolved before transformers sees them. Values
+only: building them touches nothing transformers' own TrainingArguments does not (trainer_ext.prepare_process sets the
+process up)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from .backends import backend_class, prepare_environment, selection_problems
+from .backends import backend_class, selection_problems
 from .backends.fairscale import OPTIONS as SHARDED_DDP_OPTIONS
 from .deepspeed_config import FLAG_RANGES, out_of_range
 from .checkpoint import CheckpointNotFoundError
@@ -208,8 +210,7 @@ class ExtTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         check_rank_variables()  # leftover WORLD_SIZE/RANK without a launcher: seconds, not a wait for peers forever
-        prepare_environment()
-        prepare_sagemaker(self)  # in a SageMaker job: where the model, checkpoints and logs go; nothing elsewhere
+        prepare_sagemaker(self)  # in a SageMaker job: where the model and checkpoints go; nothing elsewhere
         if problems := flag_problems(self):  # what this machine cannot change; trainer-ext ds-config runs the same
             raise ArgumentsError("\n".join(problems))
         self.deepspeed_resolution = None  # set by the DeepSpeed backend: the config resolved against these flags
@@ -242,20 +243,14 @@ class ExtTrainingArguments(TrainingArguments):
                     raise ArgumentsError(f"--{flag} {output}: {existing} is not writable")
 
     def check_paths(self) -> None:
-        """What can be checked before the model is loaded (seconds to minutes on a big model): an explicit checkpoint
-        exists, and the remote checkpoint location takes a write (main process: one probe object, then deleted)."""
+        """An explicit checkpoint exists, checked before the model is loaded (seconds to minutes on a big model);
+        --checkpoint_uri takes a write once the process is prepared (prepare_process)."""
         from .checkpoint import PATH, resume_request
 
         resume = self.resume_from_checkpoint
         if isinstance(resume, str) and resume_request(resume) == PATH and not os.path.isdir(resume):
             raise CheckpointNotFoundError(f"--resume_from_checkpoint {resume}: no such folder (give a checkpoint-N folder, or "
                                  "auto for the newest complete one in --output_dir)")
-        self.checkpoint_uri_checked = False
-        if self.checkpoint_uri and os.environ.get("RANK", "0") in ("", "0"):
-            from .remote import RemoteCheckpoints
-
-            RemoteCheckpoints(self.checkpoint_uri, self.checkpoint_storage_options).check()
-            self.checkpoint_uri_checked = True
 
 
 class ExtArgumentParser(HfArgumentParser):

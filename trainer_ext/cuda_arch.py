@@ -49,6 +49,14 @@ def for_deepspeed(value: str) -> str:
     return ";".join(kept) if lettered else value
 
 
+def check_for_deepspeed(environ=os.environ) -> None:
+    """Raises ArchListError for a TORCH_CUDA_ARCH_LIST DeepSpeed cannot build for; reads only (the arguments call it,
+    prepare_for_deepspeed normalises the value when the process is prepared)."""
+    value = environ.get(VARIABLE)
+    if value is not None and value.strip():
+        for_deepspeed(value)
+
+
 def prepare_for_deepspeed(environ=os.environ, main_process: bool | None = None) -> str | None:
     """Normalise TORCH_CUDA_ARCH_LIST in `environ` for DeepSpeed's op builds; returns the note said (None: nothing
     to change). Raises ArchListError (a user's setting, reported before any work) for an unreadable value."""

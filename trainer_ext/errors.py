@@ -42,14 +42,14 @@ def main_process() -> bool:
     return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
-def report(err: BaseException, prog: str | None = None) -> None:
+def report(err: BaseException, prog: str | None = None, stream=None) -> None:
     """The error's one line, by the main process only; the other ranks, which meet the same error, wait a moment
     before exiting, so the launcher does not stop the main process (seeing a rank fail) before it said why."""
     if main_process():
         prog = prog or os.path.basename(sys.argv[0] or "trainer_ext")
         outcome = getattr(err, "outcome", "nothing was trained or overwritten")  # a later error may have saved work
-        print(f"{prog}: error: {err}\n({outcome}; {DEBUG_ENV}=1 shows where it was raised)", file=sys.stderr,
-              flush=True)
+        print(f"{prog}: error: {err}\n({outcome}; {DEBUG_ENV}=1 shows where it was raised)",
+              file=stream or sys.stderr, flush=True)
     else:
         time.sleep(QUIET_RANKS_WAIT_S)
 
@@ -78,7 +78,9 @@ def install_excepthook() -> None:
     def hook(kind, error, traceback):
         if not issubclass(kind, UserError) or debugging() or hasattr(sys, "ps1"):
             return previous(kind, error, traceback)
-        report(error)
+        # The real stderr: torch's process group wraps a hook installed before it in a sys.stderr buffer it writes out
+        # only after the hook returns, which _exit never does.
+        report(error, stream=sys.__stderr__)
         _exit(2)
 
     hook.trainer_ext = True

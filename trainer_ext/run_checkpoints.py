@@ -39,16 +39,13 @@ class RunCheckpoints(TrainerCallback):
 
     # -- before training -------------------------------------------------------------------------------------------
     def open_remote(self) -> None:
-        """--checkpoint_uri, checked (write, list, read) by the process that saves, before anything trains (unless
-        ExtTrainingArguments checked it already, before the model was loaded)."""
+        """--checkpoint_uri (checked by prepare_process, which ExtTrainer runs first)."""
         uri = getattr(self.args, "checkpoint_uri", None)
         if not uri:
             return
         from .remote import RemoteCheckpoints
 
         self.remote = RemoteCheckpoints(uri, getattr(self.args, "checkpoint_storage_options", None))
-        if self.args.should_save and not getattr(self.args, "checkpoint_uri_checked", False):
-            self.remote.check()
 
     def clear_staging(self) -> None:
         """Checkpoint halves a killed run left in the checkpoint folder's .staging (never published, so never resumed;

@@ -25,8 +25,9 @@ def launched_world_size() -> int:
 
 
 def local_ranks() -> int:
-    """Ranks started on this machine: torchrun's LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE."""
-    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+    """Ranks started on this machine: the deepspeed launcher's LOCAL_SIZE, torchrun's LOCAL_WORLD_SIZE (LOCAL_SIZE
+    first: under the deepspeed launcher accelerate's CPU device set-up writes LOCAL_WORLD_SIZE=1 on every rank)."""
+    for key in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
         value = os.environ.get(key, "").strip()
         if value.isdigit():
             return int(value)
@@ -101,6 +102,17 @@ def launch_one_rank_without_launcher() -> bool:
     return True
 
 
+def form_one_rank_group(args) -> bool:
+    """A backend whose engine needs a process group even on one process, in `python script.py ...` with no launcher:
+    the variables a launcher would give a 1-rank job, then transformers' device set-up run again (it ran when the
+    arguments were built, without them), which forms the group as a launcher's rank does. True when it did."""
+    if not launch_one_rank_without_launcher():
+        return False
+    args.__dict__.pop("_setup_devices", None)  # transformers' cached device set-up; running it again resets accelerate's
+    args.device  # noqa: B018 (the property sets up the process group)
+    return True
+
+
 def accelerator_available() -> bool:
     import torch
 
@@ -109,18 +121,16 @@ def accelerator_available() -> bool:
 
 
 def prepare_cpu_ranks(args) -> None:
-    """Ranks launched on a machine without a GPU form one gloo group (--use_cpu), each with its share of the cores and
-    no pinned memory (nothing to pin for; torch would warn on every dataloader)."""
+    """Ranks launched on a machine without a GPU form one gloo group (--use_cpu), with no pinned memory (nothing to pin
+    for; torch would warn on every dataloader). Values only: each rank's share of the cores is prepare_process's."""
     launched = launched_world_size()
     if launched > 1 and not args.use_cpu and not accelerator_available():
         # Without it transformers 5 leaves each CPU rank on its own: N independent runs, no error.
         logger.warning("%d ranks launched and no GPU: setting --use_cpu so the ranks form one gloo process group",
                        launched)
         args.use_cpu = True
-    if cpu_ranks(args):
-        share_cores_between_cpu_ranks()
-        if not accelerator_available():
-            args.dataloader_pin_memory = False
+    if cpu_ranks(args) and not accelerator_available():
+        args.dataloader_pin_memory = False
 
 
 def cpu_ranks(args) -> bool:

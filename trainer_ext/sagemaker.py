@@ -97,9 +97,8 @@ def refuse_smdistributed(environ=None) -> None:
 def prepare_arguments(args, job: Job | None = None) -> None:
     """Inside a job: refuse smdistributed; with no --output_dir hyperparameter the model, tokenizer and *_results.json
     go to SM_MODEL_DIR; checkpoints go to the synced checkpoint folder unless --checkpoint_dir says otherwise (also
-    when --output_dir is /opt/ml/model: they would be tarred into the model); TensorBoard to the job's output unless
-    TENSORBOARD_LOGGING_DIR is set. Works on ExtTrainingArguments and on stock TrainingArguments (ExtTrainer calls it);
-    calling it again changes nothing."""
+    when --output_dir is /opt/ml/model: they would be tarred into the model). Values only; works on
+    ExtTrainingArguments and on stock TrainingArguments (prepare_process calls it); calling it again changes nothing."""
     job = job or current_job()
     if job is None:
         return
@@ -112,9 +111,19 @@ def prepare_arguments(args, job: Job | None = None) -> None:
         refuse_unresumable_zero(args, job)
         args.checkpoint_dir = str(job.checkpoint_dir)  # an attribute of its own on stock TrainingArguments
         changed.append(f"checkpoints to {job.checkpoint_dir} (synced with checkpoint_s3_uri; resumed from there)")
-    if TENSORBOARD_ENV not in os.environ:
+    say(job, changed)
+
+
+def prepare_environment(job: Job | None = None) -> None:
+    """Inside a job (trainer_ext.prepare_process): TensorBoard logs to the job's output unless TENSORBOARD_LOGGING_DIR
+    is set (transformers' TensorBoardCallback reads it when the trainer is built)."""
+    job = job or current_job()
+    if job is not None and TENSORBOARD_ENV not in os.environ:
         os.environ[TENSORBOARD_ENV] = str(job.tensorboard_dir)
-        changed.append(f"TensorBoard logs to {job.tensorboard_dir}")
+        say(job, [f"TensorBoard logs to {job.tensorboard_dir}"])
+
+
+def say(job: Job, changed: list[str]) -> None:
     if changed and main_process():
         print(f"trainer_ext: SageMaker job on {job.current_host or 'this host'}: {'; '.join(changed)}", flush=True)
 

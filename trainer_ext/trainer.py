@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
 from . import progress
-from .backends import prepare_environment, select_backend
+from .backends import select_backend
 from .checkpoint import AUTO, newest_valid_checkpoint, read_data_state, resume_request
 from .data.loader import dataloader_with_batch_sampler, stream_dataloader
 from .data.samplers import ResumableBatchSampler, check_global_batch
@@ -26,8 +26,8 @@ from .output_dir import hold_output_dir, release_output_dir
 from .preemption import Preempted, PreemptionCallback
 from .private_hooks import PrivateTrainerHooks
 from .run_checkpoints import RunCheckpoints, checkpoint_folder
-from .runtime import check_process_group, release_at_exit, share_cores_between_cpu_ranks
-from .sagemaker import prepare_arguments as prepare_sagemaker
+from .process_setup import prepare_process
+from .runtime import check_process_group, release_at_exit
 from .search.callback import trial_callback
 from .settings import OptimizerSettings, SchedulerSettings
 
@@ -51,16 +51,12 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                  class_weights=None, optimizer_settings: OptimizerSettings | None = None,
                  scheduler_settings: SchedulerSettings | None = None, **kwargs):
         install_excepthook()
-        prepare_environment()  # plain TrainingArguments did not
-        if args is not None:
-            prepare_sagemaker(args)  # plain TrainingArguments in a SageMaker job: model, checkpoints, logs placed
+        prepare_process(args)  # the process set-up the arguments leave to training (once: sharded_loading may have)
         self.backend = select_backend(args)
         if args is not None:
             self.backend.check(args)
         super().__init__(model, args, *positional, **kwargs)
         check_process_group(self.args)
-        if self.args.device.type == "cpu":
-            share_cores_between_cpu_ranks()  # ExtTrainingArguments did already; plain TrainingArguments did not
         release_at_exit(self)
         self.loss_fn = loss_fn
         weights = class_weights if class_weights is not None else getattr(self.args, "class_weights", None)

@@ -199,3 +199,28 @@ def test_cpu_ranks_share_the_cores_unless_the_user_chose(monkeypatch):
         assert share_cores_between_cpu_ranks() is None  # one rank keeps every core
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.launch
+@pytest.mark.deepspeed
+@pytest.mark.fairscale
+def test_building_the_arguments_touches_nothing_stock_arguments_do_not(tmp_path):
+    """ExtTrainingArguments(...) in a notebook must be a value: for DDP, a ZeRO-2 and a ZeRO-3 file, --sharded_ddp
+    simple, --fsdp full_shard, --checkpoint_uri and inside a SageMaker job, building it in a fresh process changes no
+    environment variable, file (a watched folder, a stale op-build lock and /dev/shm buffer) or process group beyond
+    what stock TrainingArguments with the same stock flags change; prepare_process does the set-up, once."""
+    out = run([PYTHON, REPO / "tests" / "scripts" / "args_side_effects.py", tmp_path], timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("REPORT "))[7:])
+    assert report["ext"].keys() == {"ddp", "deepspeed zero2 file", "deepspeed zero3 file", "sharded_ddp simple",
+                                    "fsdp full_shard", "checkpoint_uri", "sagemaker job"}
+    for case, changed in report["ext"].items():
+        assert changed == {"env": {}, "files": []}, (case, changed)
+    # what stock TrainingArguments itself changes in a fresh process (docs/configuration.md says so)
+    assert set(report["stock"]["fsdp full_shard"]["env"]) == {"FSDP_CPU_RAM_EFFICIENT_LOADING"}
+    assert not any("group" in changed or changed["files"] for changed in report["stock"].values())
+    ddp, zero2, again = report["prepare_process"]
+    cores = len(os.sched_getaffinity(0))
+    assert ddp["env"] == {"DS_ACCELERATOR": [None, "cpu"], "OMP_NUM_THREADS": [None, str(max(1, cores // 2))]}
+    assert {"RANK", "WORLD_SIZE", "MASTER_PORT"} <= zero2["env"].keys() and zero2["group"] == [False, True]
+    assert report["world_size"] == 1 and again == {"env": {}, "files": []}

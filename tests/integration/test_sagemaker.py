@@ -298,12 +298,15 @@ def test_outside_a_job_nothing_changes(tmp_path, monkeypatch):
 
 def test_job_places_model_checkpoints_and_tensorboard(in_job, monkeypatch):
     """No --output_dir would leave the model outside SM_MODEL_DIR; checkpoints would miss the synced folder (or the
-    estimator's own checkpoint_local_path, or --checkpoint_dir); an explicit --output_dir would be overridden."""
+    estimator's own checkpoint_local_path, or --checkpoint_dir); an explicit --output_dir would be overridden;
+    TensorBoard would log outside the job's output once the process is prepared (not before: arguments are values)."""
     from transformers import TrainingArguments
 
     args = TrainingArguments(report_to="none")
     sagemaker.prepare_arguments(args)
     assert args.output_dir == str(in_job / "model") and args.checkpoint_dir == str(in_job / "checkpoints")
+    assert "TENSORBOARD_LOGGING_DIR" not in os.environ
+    sagemaker.prepare_environment()  # prepare_process's part
     assert os.environ["TENSORBOARD_LOGGING_DIR"] == str(in_job / "output" / "data" / "tensorboard")
     (in_job / "input" / "config" / "checkpointconfig.json").write_text(json.dumps({"LocalPath": "/ckpt"}))
     monkeypatch.setenv("SM_HPS", json.dumps({"output_dir": "elsewhere"}))

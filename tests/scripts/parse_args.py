@@ -6,10 +6,11 @@ from pathlib import Path
 
 import torch
 
-from trainer_ext import ExtArgumentParser, ExtTrainingArguments
+from trainer_ext import ExtArgumentParser, ExtTrainingArguments, prepare_process
 
 (args,) = ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses()
-device = str(args.device)  # sets up the process group, as the Trainer does first
+prepare_process(args)  # the process set up, as ExtTrainer does first (CPU threads per rank)
+device = str(args.device)  # the process group, as the Trainer sets it up
 values = {
     "device": device,
     "rank": int(os.environ.get("RANK", 0)),

@@ -36,7 +36,7 @@ def checkpoint_state_patterns() -> list[str]:
 
 
 def prepare_environment() -> None:
-    """What every installed backend library needs in the process environment, selected or not."""
+    """What every installed backend library needs in the process environment, selected or not (prepare_process)."""
     for cls in backend_classes():
         cls.prepare_environment()
 
@@ -62,13 +62,5 @@ def select_backend(args) -> Backend:
     return backend_class(args)(args)
 
 
-def sharded_loading(args):
-    """`with sharded_loading(args): model = AutoModel....from_pretrained(...)`: the selected backend's model
-    construction context (ZeRO-3 builds and loads the model partitioned, so no rank ever holds all of it); with any
-    other backend it changes nothing, so one script serves them all. Also covers `from_config`; a model class called
-    directly is built whole."""
-    return backend_class(args).model_sharded_context(args) if args is not None else Backend.model_sharded_context(args)
-
-
 __all__ = ["BACKENDS", "Backend", "backend_class", "backend_classes", "backend_flags", "checkpoint_state_patterns",
-           "owned_flags", "prepare_environment", "select_backend", "selection_problems", "sharded_loading"]
+           "owned_flags", "prepare_environment", "select_backend", "selection_problems"]

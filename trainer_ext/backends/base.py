@@ -23,15 +23,17 @@ class Backend:
     install = ""
     # Parameter sharding: the model is wrapped before the optimizer, which is built on the shards.
     wraps_before_optimizer = False
+    # Its engine needs a process group even on one process (prepare_process forms a 1-rank one without a launcher).
+    needs_process_group = False
     # Glob patterns of the files or folders holding this backend's own training state in a checkpoint folder (what a
     # checkpoint without Hugging Face weight files must have to be resumable).
     checkpoint_state: tuple[str, ...] = ()
 
-    # -- the process and the arguments (class level: before any trainer exists) ------------------------------------
+    # -- the arguments and the process (class level: before any trainer exists) ------------------------------------
     @classmethod
     def prepare_environment(cls) -> None:
-        """Called for every registered backend, selected or not, before transformers or accelerate import anything:
-        what this backend's library needs in the process environment merely by being installed."""
+        """Called by trainer_ext.prepare_process for every registered backend, selected or not: what this backend's
+        library needs in the process environment merely by being installed."""
 
     @classmethod
     def missing_library(cls, args) -> str | None:
@@ -60,12 +62,19 @@ class Backend:
     @classmethod
     def prepare_arguments(cls, args) -> None:
         """Once the flags are valid and this backend is selected, before transformers sets up the device: checks
-        that depend on this machine, and what the backend settles from the flags (written onto `args`)."""
+        that depend on this machine, and what the backend settles from the flags (written onto `args`). Values only:
+        no variable, file or process group (that is prepare_process)."""
 
     @classmethod
     def arguments_ready(cls, args) -> None:
-        """The last step of ExtTrainingArguments, once transformers set the arguments up: what must exist before the
-        script loads its model."""
+        """The last step of ExtTrainingArguments, once transformers set the arguments up: values transformers must
+        not act on (written onto `args`)."""
+
+    @classmethod
+    def prepare_process(cls, args) -> None:
+        """trainer_ext.prepare_process's part for this backend, once the arguments exist and before a model is built
+        or trained: what its engine needs of the process (the 1-rank group is formed already where
+        needs_process_group says so)."""
 
     @classmethod
     def places_model_on_device(cls, args) -> bool | None:
@@ -75,8 +84,8 @@ class Backend:
 
     @classmethod
     def model_sharded_context(cls, args):
-        """The context models are built and loaded in (`trainer_ext.sharded_loading(args)`): partitioned as they are
-        built where the backend can, else nothing."""
+        """The context models are built and loaded in (`trainer_ext.sharded_loading(args)`, after prepare_process):
+        partitioned as they are built where the backend can, else nothing."""
         return nullcontext()
 
     @classmethod

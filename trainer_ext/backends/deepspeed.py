@@ -29,6 +29,7 @@ class DeepSpeedBackend(Backend):
     flag = "deepspeed"
     library = "deepspeed"
     install = INSTALL
+    needs_process_group = True  # without a launcher DeepSpeed looks for MPI and dies importing mpi4py
     checkpoint_state = ("global_step*",)  # the engine's own checkpoint: ZeRO shards, also without consolidated weights
 
     @classmethod
@@ -47,17 +48,29 @@ class DeepSpeedBackend(Backend):
     @classmethod
     def prepare_arguments(cls, args) -> None:
         """Phase 1 of the translation, before transformers builds its own DeepSpeed config from `args.deepspeed`."""
+        from ..cuda_arch import check_for_deepspeed
         from ..runtime import cpu_ranks
 
-        prepare_process(args)
+        if not cpu_ranks(args):
+            check_for_deepspeed()  # a TORCH_CUDA_ARCH_LIST its op builder cannot read: refused before any work
         apply_resolution(args, resolve_deepspeed_config(args, args.deepspeed, final=False, cpu_ranks=cpu_ranks(args)))
 
     @classmethod
-    def arguments_ready(cls, args) -> None:
-        """Under ZeRO-3 transformers builds every model loaded from now on inside DeepSpeed's zero.Init (partitioned
-        as it is built), which checks the batch fields against the process group's size: form the group now, or a
-        2-rank config fails there as a 1-rank one."""
-        if zero_stage(args.deepspeed_resolution) == 3:
+    def prepare_process(cls, args) -> None:
+        """Before DeepSpeed loads an op: no stale build locks or shared-memory buffers of killed jobs, and a
+        TORCH_CUDA_ARCH_LIST its op builder can read. Under ZeRO-3 transformers builds every model loaded from now on
+        inside DeepSpeed's zero.Init (partitioned as it is built), which checks the batch fields against DeepSpeed's
+        view of the process group: join it now, or a 2-rank config fails there as a 1-rank one (on GPUs under a
+        launcher transformers' own device set-up joins it when the arguments are built; on CPU ranks it does not)."""
+        from ..cuda_arch import prepare_for_deepspeed
+        from ..leftovers import clear_leftovers
+        from ..runtime import cpu_ranks
+
+        clear_leftovers()
+        if not cpu_ranks(args):
+            prepare_for_deepspeed()
+        resolution = getattr(args, "deepspeed_resolution", None) or resolve_stock_arguments(args)
+        if zero_stage(resolution) == 3:
             import deepspeed
 
             args.device  # noqa: B018 (transformers' property sets up the process group)
@@ -67,14 +80,11 @@ class DeepSpeedBackend(Backend):
     @contextmanager
     def model_sharded_context(cls, args):
         """Under ZeRO-3 the model is built and loaded partitioned (DeepSpeed's zero.Init, as transformers does it), so
-        no rank ever holds all of it; at any other stage nothing changes. ExtTrainingArguments needs it only for models
-        built before the arguments; stock TrainingArguments need it (their unresolved DeepSpeed file is what zero.Init
-        would read)."""
-        resolution = getattr(args, "deepspeed_resolution", None) or resolve_stock_arguments(args)
-        if zero_stage(resolution) == 3:
+        no rank ever holds all of it; at any other stage nothing changes. prepare_process resolved stock
+        TrainingArguments (their unresolved DeepSpeed file is what zero.Init would read) and joined the group."""
+        if zero_stage(getattr(args, "deepspeed_resolution", None)) == 3:
             from transformers.integrations import is_deepspeed_zero3_enabled
 
-            cls.arguments_ready(args)
             if not is_deepspeed_zero3_enabled():  # transformers follows the config the arguments hold, weakly
                 raise RuntimeError("ZeRO-3 is resolved but transformers does not see it: the arguments' "
                                    "hf_deepspeed_config is gone")
@@ -393,7 +403,6 @@ def resolve_stock_arguments(args):
 
     from ..runtime import cpu_ranks
 
-    prepare_process(args)
     resolution = resolve_deepspeed_config(args, args.deepspeed, world_size=args.world_size, final=False,
                                           cpu_ranks=cpu_ranks(args))
     apply_resolution(args, resolution)
@@ -401,19 +410,6 @@ def resolve_stock_arguments(args):
     args.hf_deepspeed_config.trainer_config_process(args)
     args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
     return resolution
-
-
-def prepare_process(args) -> None:
-    """What DeepSpeed needs before its first op loads: a 1-rank job's variables when no launcher set them, no stale
-    build locks or shared-memory buffers of killed jobs, and a TORCH_CUDA_ARCH_LIST its op builder can read."""
-    from ..cuda_arch import prepare_for_deepspeed
-    from ..leftovers import clear_leftovers
-    from ..runtime import cpu_ranks, launch_one_rank_without_launcher
-
-    launch_one_rank_without_launcher()  # without a launcher DeepSpeed looks for MPI and dies importing mpi4py
-    clear_leftovers()
-    if not cpu_ranks(args):
-        prepare_for_deepspeed()
 
 
 def apply_resolution(args, resolution) -> None:

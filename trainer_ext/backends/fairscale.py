@@ -24,6 +24,7 @@ class FairScaleBackend(Backend):
     flag = "sharded_ddp"
     library = "fairscale"
     install = INSTALL
+    needs_process_group = True  # `python script.py --sharded_ddp simple`: OSS on one rank, as --deepspeed does
 
     @classmethod
     def given_as(cls, args) -> str:
@@ -42,10 +43,7 @@ class FairScaleBackend(Backend):
     def prepare_arguments(cls, args) -> None:
         import torch
 
-        from ..runtime import launch_one_rank_without_launcher
-
         check_machine(args.sharded_ddp, torch.cuda.is_available(), bool(args.fp16 or args.bf16))
-        launch_one_rank_without_launcher()  # `python script.py --sharded_ddp simple`: one rank, as --deepspeed does
 
     @classmethod
     def places_model_on_device(cls, args) -> bool | None:

@@ -152,6 +152,7 @@ class FSDPBackend(Backend):
     flag = "fsdp"
     owned_flags = ("fsdp", "fsdp_config")
     wraps_before_optimizer = True  # the optimizer is built on the shards fully_shard creates
+    needs_process_group = True  # fully_shard needs a process group, also for one process
     checkpoint_state = (SHARDS,)
 
     @classmethod
@@ -185,14 +186,13 @@ class FSDPBackend(Backend):
 
     @classmethod
     def prepare_arguments(cls, args) -> None:
-        from ..runtime import cpu_ranks, launch_one_rank_without_launcher
+        from ..runtime import cpu_ranks
 
         settings = resolve_settings(args.fsdp, args.fsdp_config)[0]
         if settings.offload and cpu_ranks(args):
             raise ArgumentsError(f"{cls.given_as(args)}: offload moves the shards from the GPU to CPU memory, and on "
                                  "CPU ranks they are there already: drop offload (and cpu_offload/offload_params)")
         args.fsdp_settings = settings
-        launch_one_rank_without_launcher()  # fully_shard needs a process group, also for one process
 
     @classmethod
     def arguments_ready(cls, args) -> None:

@@ -190,7 +190,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     import transformers
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
-    from ..backends import sharded_loading
+    from ..process_setup import sharded_loading
     from ..trainer import ExtTrainer
 
     from .common import check_best_metric, check_output_dir, check_sequence_length, reading
@@ -223,7 +223,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
                          id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
     tokenizer = load_tokenizer(model_path, model_args)
     check_sequence_length("--max_seq_length", data_args.max_seq_length, config, tokenizer)
-    with sharded_loading(training_args), reading("--model_name_or_path", model_path, "model"):  # partitioned (ZeRO-3)
+    # the process set up (prepare_process), then the model built partitioned where the backend can (ZeRO-3)
+    with sharded_loading(training_args), reading("--model_name_or_path", model_path, "model"):
         model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config,
                                                                    **model_args.model_kwargs)
     transformers.utils.logging.set_verbosity_warning()

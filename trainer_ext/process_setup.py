@@ -1,0 +1,54 @@
+"""The one step that readies this process to train with given arguments, which are values (building them touches no
+variable, file or process group): ExtTrainer runs it first, and so do sharded_loading and the task recipes before
+they load a model; a second call changes nothing."""
+
+from __future__ import annotations
+
+from .backends import Backend, backend_class, prepare_environment
+from .runtime import cpu_ranks, form_one_rank_group, share_cores_between_cpu_ranks
+from .sagemaker import prepare_arguments as prepare_sagemaker_arguments
+from .sagemaker import prepare_environment as prepare_sagemaker_environment
+
+
+def prepare_process(args) -> None:
+    """What training with `args` needs of this process, in one place: each installed backend library's variables
+    (DS_ACCELERATOR on a machine without a GPU), a SageMaker job's TensorBoard folder (and its model and checkpoint
+    folders on stock TrainingArguments), each CPU rank's share of the cores, a 1-rank process group when no launcher
+    started a backend that needs one, the selected backend's own set-up (DeepSpeed: stale leftovers removed,
+    TORCH_CUDA_ARCH_LIST made readable, the group joined under ZeRO-3), and --checkpoint_uri taking a write (main
+    process: one probe object, then deleted) before any model is loaded."""
+    if args is None:
+        return
+    prepare_environment()
+    prepare_sagemaker_arguments(args)  # ExtTrainingArguments did when built; stock TrainingArguments did not
+    prepare_sagemaker_environment()
+    if cpu_ranks(args):
+        share_cores_between_cpu_ranks()
+    backend = backend_class(args)
+    if backend.needs_process_group:
+        form_one_rank_group(args)
+    backend.prepare_process(args)
+    check_checkpoint_uri(args)
+
+
+def check_checkpoint_uri(args) -> None:
+    """--checkpoint_uri takes a write, a listing and a read (by the process that saves): bad credentials, an
+    unreachable endpoint or a missing bucket fail now, not at the first checkpoint hours later. Once per arguments."""
+    uri = getattr(args, "checkpoint_uri", None)
+    if not uri or getattr(args, "checkpoint_uri_checked", False) or not args.should_save:
+        return
+    from .remote import RemoteCheckpoints
+
+    RemoteCheckpoints(uri, getattr(args, "checkpoint_storage_options", None)).check()
+    args.checkpoint_uri_checked = True
+
+
+def sharded_loading(args):
+    """`with sharded_loading(args): model = AutoModel....from_pretrained(...)`: the process prepared (prepare_process),
+    then the selected backend's model construction context (ZeRO-3 builds and loads the model partitioned, so no rank
+    ever holds all of it); with any other backend it changes nothing, so one script serves them all. Also covers
+    `from_config`; a model class called directly is built whole."""
+    if args is None:
+        return Backend.model_sharded_context(args)
+    prepare_process(args)
+    return backend_class(args).model_sharded_context(args)
