@@ -7,12 +7,13 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "ExtTrainer": ".trainer",
-    "ExtTrainingArguments": ".args",
+    "ExtTrainingArguments": ".config.flags",
     "ExtSeq2SeqTrainer": ".seq2seq",
     "ExtSeq2SeqTrainingArguments": ".seq2seq",
-    "OptimizerSettings": ".settings",
-    "SchedulerSettings": ".settings",
-    "ExtArgumentParser": ".args",
+    "OptimizerSettings": ".config.optimizer",
+    "SchedulerSettings": ".config.optimizer",
+    "ExtArgumentParser": ".config.flags",
+    "run_experiment": ".config.experiment_file",
     "build_deepspeed_config": ".deepspeed_config",
     "resolve_deepspeed_config": ".deepspeed_config",
     "load_deepspeed_config": ".deepspeed_config",

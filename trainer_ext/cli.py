@@ -27,7 +27,8 @@ commands:
 
 
 def ds_config(argv: list[str]) -> int:
-    from .args import ExtArgumentParser, ExtTrainingArguments, flag_problems
+    from .config.checks import flag_problems
+    from .config.flags import ExtArgumentParser, ExtTrainingArguments
     from .deepspeed_config import DeepSpeedConfigError, explain, resolve_deepspeed_config
 
     parser = ExtArgumentParser(ExtTrainingArguments, prog="trainer-ext ds-config",
@@ -60,7 +61,7 @@ def train(argv: list[str]) -> int:
     import argparse
     import logging
 
-    from .experiment import ExperimentError, load_experiment
+    from .config.experiment_file import ExperimentError, load_experiment
 
     parser = argparse.ArgumentParser(prog="trainer-ext train", allow_abbrev=False,
                                      description="Validate an experiment file, then train it.",

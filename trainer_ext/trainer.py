@@ -29,7 +29,7 @@ from .run_checkpoints import RunCheckpoints, checkpoint_folder
 from .process_setup import prepare_process
 from .runtime import check_process_group, release_at_exit
 from .search.callback import trial_callback
-from .settings import OptimizerSettings, SchedulerSettings
+from .config.optimizer import OptimizerSettings, SchedulerSettings
 
 logger = logging.getLogger(__name__)
 

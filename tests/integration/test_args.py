@@ -8,7 +8,7 @@ import pytest
 
 from conftest import BIN, PYTHON, REPO, free_port, run
 from trainer_ext import ArgumentsError, ExtTrainingArguments
-from trainer_ext.args import ExtArgumentParser
+from trainer_ext import ExtArgumentParser
 from trainer_ext.backends.fairscale import parse_options as parse_sharded_ddp
 
 SCRIPT = REPO / "tests" / "scripts" / "parse_args.py"
@@ -52,6 +52,26 @@ def test_sharded_ddp_with_deepspeed_is_rejected(tmp_path):
     """--sharded_ddp with --deepspeed asks for two backends; the run must refuse rather than quietly pick one."""
     with pytest.raises(ArgumentsError, match="--sharded_ddp simple and --deepspeed"):
         ExtTrainingArguments(output_dir=str(tmp_path), sharded_ddp="simple", deepspeed="zero2_minimal")
+
+
+@pytest.mark.fairscale
+def test_flag_checks_read_the_flags_and_change_nothing(tmp_path):
+    """ExtTrainingArguments and `trainer-ext ds-config` share the flag checks (each backend's among them): a check that
+    rewrote the flags (--class_weights into numbers, --warmup_ratio into --warmup_steps, --sharded_ddp into a list,
+    --fsdp_config read from its file) would change what the caller sees; the arguments still get the values."""
+    from trainer_ext.config.checks import flag_problems
+
+    (tmp_path / "fsdp.json").write_text('{"transformer_layer_cls_to_wrap": ["BertLayer"]}')
+    common = ["--output_dir", str(tmp_path), "--class_weights", "1,3", "--warmup_ratio", "0.1",
+              "--checkpoint_storage_options", "{}"]
+    for backend in (["--sharded_ddp", "simple"], ["--fsdp", "full_shard", "--fsdp_config", str(tmp_path / "fsdp.json")]):
+        flags = ExtArgumentParser(ExtTrainingArguments).parse_args([*common, *backend])
+        before = dict(vars(flags))
+        assert flag_problems(flags) == [] and vars(flags) == before, backend
+    args = ExtTrainingArguments(output_dir=str(tmp_path), class_weights="1,3", warmup_ratio=0.1, sharded_ddp="simple",
+                                checkpoint_storage_options="{}")
+    assert (args.class_weights, args.warmup_steps, args.sharded_ddp, args.checkpoint_storage_options) == \
+        ([1.0, 3.0], 0.1, ["simple"], {})
 
 
 def test_apex_backend_needs_apex(tmp_path):

@@ -57,8 +57,8 @@ def option_strings(parser) -> set[str]:
 @pytest.fixture(scope="module")
 def known_flags():
     """Every example's flags (model, data and training arguments, as the example builds its parser)."""
-    from trainer_ext.args import ExtArgumentParser
-    from trainer_ext.experiment import argument_classes
+    from trainer_ext import ExtArgumentParser
+    from trainer_ext.config.experiment_file import argument_classes
 
     return {script: option_strings(ExtArgumentParser(argument_classes(task))) for script, task in EXAMPLES.items()}
 

@@ -50,7 +50,7 @@ def backend_class(args) -> type[Backend]:
 def selection_problems(args) -> list[str]:
     """Every backend's own flag problems, and more than one backend chosen."""
     classes = backend_classes()
-    problems = [problem for cls in classes for problem in cls.flag_problems(args)]
+    problems = [problem for cls in classes for problem in cls.owned_flag_problems(args)]
     chosen = [cls for cls in classes if cls.selected(args)]
     if len(chosen) > 1:
         problems.append(f"{' and '.join(cls.given_as(args) for cls in chosen)} both choose a backend: give only one "

@@ -54,16 +54,16 @@ class Backend:
         return f"--{cls.flag}"
 
     @classmethod
-    def flag_problems(cls, args) -> list[str]:
-        """Problems with this backend's own flags that no machine could fix, one line each (normalising them in
-        place); ExtTrainingArguments and `trainer-ext ds-config` collect every backend's before raising once."""
+    def owned_flag_problems(cls, args) -> list[str]:
+        """Problems with the flags this backend owns that no machine could fix, one line each; reads `args` only.
+        The flag checks (config.checks.flag_problems) collect every backend's before raising once."""
         return []
 
     @classmethod
     def prepare_arguments(cls, args) -> None:
         """Once the flags are valid and this backend is selected, before transformers sets up the device: checks
-        that depend on this machine, and what the backend settles from the flags (written onto `args`). Values only:
-        no variable, file or process group (that is prepare_process)."""
+        that depend on this machine, and what the backend settles from its flags (their values as it reads them,
+        written onto `args`). Values only: no variable, file or process group (that is prepare_process)."""
 
     @classmethod
     def arguments_ready(cls, args) -> None:

@@ -28,14 +28,13 @@ class FairScaleBackend(Backend):
 
     @classmethod
     def given_as(cls, args) -> str:
-        return f"--sharded_ddp {' '.join(args.sharded_ddp)}"
+        return f"--sharded_ddp {' '.join(option_words(args.sharded_ddp))}"
 
     @classmethod
-    def flag_problems(cls, args) -> list[str]:
+    def owned_flag_problems(cls, args) -> list[str]:
         try:
-            args.sharded_ddp = parse_options(args.sharded_ddp)
+            parse_options(args.sharded_ddp)
         except ArgumentsError as err:
-            args.sharded_ddp = []
             return [str(err)]
         return []
 
@@ -43,6 +42,7 @@ class FairScaleBackend(Backend):
     def prepare_arguments(cls, args) -> None:
         import torch
 
+        args.sharded_ddp = parse_options(args.sharded_ddp)  # the option list the backend reads
         check_machine(args.sharded_ddp, torch.cuda.is_available(), bool(args.fp16 or args.bf16))
 
     @classmethod
@@ -152,11 +152,16 @@ class FairScaleBackend(Backend):
         return {k: v.cpu() for k, v in trainer.model_wrapped.state_dict().items()}
 
 
-def parse_options(value) -> list[str]:
-    """`--sharded_ddp "zero_dp_2 offload"` (or a list) -> ["zero_dp_2", "offload"], with transformers v4 rules."""
+def option_words(value) -> list[str]:
+    """`--sharded_ddp "zero_dp_2 offload"`, a list, or nothing -> its words, unchecked."""
     if value is None or value is False or value == "":
         return []
-    words = value.split() if isinstance(value, str) else [w for item in value for w in str(item).split()]
+    return value.split() if isinstance(value, str) else [w for item in value for w in str(item).split()]
+
+
+def parse_options(value) -> list[str]:
+    """`--sharded_ddp "zero_dp_2 offload"` (or a list) -> ["zero_dp_2", "offload"], with transformers v4 rules."""
+    words = option_words(value)
     problems = []
     for word in words:
         if word not in OPTIONS:

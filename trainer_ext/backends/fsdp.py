@@ -174,24 +174,22 @@ class FSDPBackend(Backend):
         return " ".join(["--fsdp", *fsdp_words(args.fsdp)])
 
     @classmethod
-    def flag_problems(cls, args) -> list[str]:
+    def owned_flag_problems(cls, args) -> list[str]:
         fsdp, fsdp_config = getattr(args, "fsdp", None), getattr(args, "fsdp_config", None)
         if not cls.selected(args):
             return ["--fsdp_config is read only with --fsdp: add --fsdp full_shard, or drop --fsdp_config"] \
                 if fsdp_config else []
-        _, config, problems = resolve_settings(fsdp, fsdp_config)
-        if not problems:
-            args.fsdp_config = config  # read once (a file or inline JSON), as transformers then reads it
-        return problems
+        return resolve_settings(fsdp, fsdp_config)[2]
 
     @classmethod
     def prepare_arguments(cls, args) -> None:
         from ..runtime import cpu_ranks
 
-        settings = resolve_settings(args.fsdp, args.fsdp_config)[0]
+        settings, config, _ = resolve_settings(args.fsdp, args.fsdp_config)
         if settings.offload and cpu_ranks(args):
             raise ArgumentsError(f"{cls.given_as(args)}: offload moves the shards from the GPU to CPU memory, and on "
                                  "CPU ranks they are there already: drop offload (and cpu_offload/offload_params)")
+        args.fsdp_config = config  # read once (a file or inline JSON), as transformers then reads it
         args.fsdp_settings = settings
 
     @classmethod

@@ -196,27 +196,6 @@ STAGE3_ONLY_KEYS = frozenset({*STAGE3_ALIASES.values(), "offload_param", "sub_gr
                               "stage3_gather_fp16_weights_on_model_save", "zero_hpz_partition_size",
                               "zero_quantized_weights", "zero_quantized_nontrainable_weights"})
 
-# Values transformers accepts at parse time and fails on later (a ZeroDivisionError at the first batch, torch's
-# "Invalid learning rate" once the model is loaded): flag -> (test, what the value must be).
-FLAG_RANGES = {
-    **dict.fromkeys(("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"),
-                    (lambda value: value >= 1, "must be a positive integer")),
-    **dict.fromkeys(("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon"),
-                    (lambda value: value >= 0, "must be >= 0")),
-    **dict.fromkeys(("adam_beta1", "adam_beta2"), (lambda value: 0 <= value < 1, "must be in [0, 1)")),
-}
-
-
-def out_of_range(flag: str, value) -> str | None:
-    """What a value of --flag must be, when this one is not (a DeepSpeed file's value as well as a typed one)."""
-    if flag not in FLAG_RANGES:
-        return None
-    holds, requirement = FLAG_RANGES[flag]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"must be a number and {requirement.removeprefix('must be ')}"
-    return None if holds(value) else requirement
-
-
 # Keys whose values are names, never numbers: their strings are left alone.
 STRING_KEYS = frozenset({"type", "device", "nvme_path", "output_path", "job_name", "tag", "name", "project",
                           "team", "group", "log_level", "communication_data_type", "grad_accum_dtype",

@@ -16,10 +16,11 @@ from .keys import (AUTO, DEEPSPEED_OPTIMIZER_NAMES, DEEPSPEED_OPTIMIZERS, DEEPSP
                    FP16_BLOCK_DEFAULTS, H100_RUN, HIDDEN_SIZE_AUTO, INTEGER_TEXT, KNOWN_TOP_LEVEL_KEYS, NESTED_HOME,
                    NUMBER_TEXT, REMOVED_TOP_LEVEL_KEYS, SCHEDULER_FOR_TYPE, SECTION_KEYS, STAGE3_ALIASES,
                    STAGE3_ONLY_KEYS, STRING_KEYS, TORCH_OPTIMIZERS, TUNED_ZERO, ZERO2_DEFAULTS, ZERO3_COST,
-                   ZERO3_DEFAULTS, ZERO_AUTO_FALLBACK, ZERO_TESTED_OPTIMIZERS, out_of_range)
+                   ZERO3_DEFAULTS, ZERO_AUTO_FALLBACK, ZERO_TESTED_OPTIMIZERS)
+from ..config.optimizer import warmup_steps
+from ..config.ranges import out_of_range
 from ..errors import closest
 from ..runtime import world_size_from_environment
-from ..settings import warmup_steps
 from .load import DeepSpeedConfigError, load_deepspeed_config
 
 @dataclass

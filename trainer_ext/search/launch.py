@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from ..field_values import did_you_mean
+from ..config.values import did_you_mean
 
 LAUNCHERS = ("python", "torchrun", "deepspeed", "torch.distributed.launch")
 # A launcher's variables in the search's own environment would make each trial's process think it is a rank.

@@ -12,8 +12,8 @@ import math
 from typing import Any
 
 from ..deepspeed_config import KNOWN_TOP_LEVEL_KEYS, SECTION_KEYS, load_deepspeed_config
-from ..experiment import OPTIMIZER_FIELDS, SCHEDULER_FIELDS, check_keys, as_mapping
-from ..field_values import WrongType, did_you_mean, read_as
+from ..config.experiment_file import OPTIMIZER_FIELDS, SCHEDULER_FIELDS, check_keys, as_mapping
+from ..config.values import WrongType, did_you_mean, read_as
 
 KEYS = ("space", "metric", "direction", "max_trials", "parallel_trials", "sampler", "pruner", "storage", "study_name",
         "study_dir", "heartbeat_interval", "grace_period")
@@ -274,7 +274,7 @@ def _takes(hint, value) -> bool:
 
 
 def _taking(hint) -> str:
-    from ..field_values import describe
+    from ..config.values import describe
 
     return describe(hint[0]) if hint[1] is None else f"one of {', '.join(map(str, hint[1]))}"
 

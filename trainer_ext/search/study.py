@@ -8,7 +8,7 @@ import os
 import warnings
 
 from ..errors import UserError
-from ..field_values import did_you_mean
+from ..config.values import did_you_mean
 
 SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler"}
 PRUNERS = {"none": "NopPruner", "median": "MedianPruner", "percentile": "PercentilePruner",

@@ -10,10 +10,10 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from .backends import backend_flags, owned_flags
-from .errors import ArgumentsError
-from .field_values import WrongType, did_you_mean, field_types, read_as
-from .settings import OptimizerSettings, SchedulerSettings
+from ..backends import backend_flags, owned_flags
+from ..errors import ArgumentsError
+from .optimizer import OptimizerSettings, SchedulerSettings
+from .values import WrongType, did_you_mean, field_types, read_as
 
 TASKS = {
     "classification": "trainer_ext.tasks.classification",
@@ -118,7 +118,7 @@ def load_experiment(source, argv: Sequence[str] = (), folder=None) -> Experiment
 def argument_classes(task: str) -> tuple:
     """The task's ModelArguments, DataArguments and training arguments dataclasses."""
     recipe = import_module(TASKS[task])
-    module, name = TRAINING_ARGUMENTS.get(task, ("trainer_ext.args", "ExtTrainingArguments"))
+    module, name = TRAINING_ARGUMENTS.get(task, ("trainer_ext.config.flags", "ExtTrainingArguments"))
     return recipe.ModelArguments, recipe.DataArguments, getattr(import_module(module), name)
 
 
@@ -243,7 +243,7 @@ def _is_path(key: str, value: str) -> bool:
     """Not inline JSON, an fsspec URL, or resume_from_checkpoint's auto / true / false."""
     if key not in PATH_FIELDS + NAME_OR_PATH_FIELDS or not value or value.lstrip().startswith("{") or "://" in value:
         return False
-    from .checkpoint import PATH, resume_request
+    from ..checkpoint import PATH, resume_request
 
     return not (key == "resume_from_checkpoint" and resume_request(value) != PATH)
 
@@ -252,7 +252,7 @@ def _flags(classes, argv: Sequence[str], problems: list[str]) -> dict:
     """Command-line flags -> {field: value as given}; typed with the file's values, so every problem shows at once."""
     if not argv:
         return {}
-    from .args import ExtArgumentParser
+    from .flags import ExtArgumentParser
 
     parser = ExtArgumentParser(classes, prog="trainer-ext train")
     for action in parser._actions:  # keep the words as given and only the flags given
@@ -262,7 +262,7 @@ def _flags(classes, argv: Sequence[str], problems: list[str]) -> dict:
 
 
 def _build(cls, values: dict, where: str, problems: list[str]):
-    from .deepspeed_config import DeepSpeedConfigError
+    from ..deepspeed_config import DeepSpeedConfigError
 
     try:
         return cls(**values)

@@ -10,7 +10,7 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-from .errors import closest
+from ..errors import closest
 
 NONE = type(None)
 UNIONS = (Union, types.UnionType)

@@ -6,8 +6,6 @@ process up)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import json
 import logging
 import os
 import sys
@@ -18,132 +16,16 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from .backends import backend_class, selection_problems
-from .backends.fairscale import OPTIONS as SHARDED_DDP_OPTIONS
-from .deepspeed_config import FLAG_RANGES, out_of_range
-from .checkpoint import CheckpointNotFoundError
-from .errors import ArgumentsError, UserError, closest, debugging, main_process
-from .runtime import check_fp16_device, check_rank_variables, prepare_cpu_ranks
-from .sagemaker import parse_list
-from .sagemaker import prepare_arguments as prepare_sagemaker
-from .sagemaker import spread_lists
-from .settings import merge_warmup_ratio
+from ..backends import backend_class
+from ..backends.fairscale import OPTIONS as SHARDED_DDP_OPTIONS
+from ..checkpoint import CheckpointNotFoundError
+from ..errors import ArgumentsError, UserError, closest, debugging, main_process
+from ..runtime import check_fp16_device, check_rank_variables, prepare_cpu_ranks
+from ..sagemaker import prepare_arguments as prepare_sagemaker
+from ..sagemaker import spread_lists
+from .checks import FP16_BACKENDS, FP16_OPT_LEVELS, flag_problems, read_text_flags
 
 logger = logging.getLogger(__name__)
-
-FP16_BACKENDS = ("auto", "amp", "apex")
-FP16_OPT_LEVELS = ("O0", "O1", "O2", "O3")
-
-
-def check_fp16_backend(backend: str, opt_level: str) -> None:
-    if backend not in FP16_BACKENDS:
-        raise ArgumentsError(f"--fp16_backend {backend!r}: choose one of {', '.join(FP16_BACKENDS)}")
-    if opt_level not in FP16_OPT_LEVELS:
-        raise ArgumentsError(f"--fp16_opt_level {opt_level!r}: choose one of {', '.join(FP16_OPT_LEVELS)}")
-    if backend == "apex" and importlib.util.find_spec("apex") is None:
-        raise ArgumentsError("--fp16_backend apex: NVIDIA apex is not installed "
-                             "(install it from https://github.com/NVIDIA/apex, or use --fp16_backend amp)")
-
-
-def parse_class_weights(value) -> list[float] | None:
-    """`--class_weights 1.0,3.0`, a JSON list `[1.0, 3.0]` (how SageMaker passes a list hyperparameter) or a list ->
-    [1.0, 3.0]; every weight positive."""
-    if value is None or value == "" or value == []:
-        return None
-    try:
-        if isinstance(value, str) and value.strip().startswith("["):
-            items = parse_list(value.strip())
-        else:
-            items = value.split(",") if isinstance(value, str) else list(value)
-        weights = [float(item) for item in items]
-    except (ValueError, TypeError):
-        raise ArgumentsError(f"--class_weights {value!r}: give numbers separated by commas, e.g. 1.0,3.0") from None
-    if len(weights) < 2 or any(w <= 0 for w in weights):
-        raise ArgumentsError(f"--class_weights {value!r}: need one positive weight per class (at least two)")
-    return weights
-
-
-def parse_storage_options(text: str | dict | None) -> dict:
-    """--checkpoint_storage_options: a JSON object of fsspec options (a dict from Python)."""
-    if isinstance(text, dict):
-        return dict(text)
-    if not text:
-        return {}
-    try:
-        options = json.loads(text)
-    except ValueError as err:
-        raise ArgumentsError(f"--checkpoint_storage_options {text!r} is not JSON ({err}); e.g. "
-                             '\'{"endpoint_url": "http://127.0.0.1:9000"}\'') from None
-    if not isinstance(options, dict):
-        raise ArgumentsError(f"--checkpoint_storage_options {text!r} must be a JSON object")
-    return options
-
-
-def flag_problems(args) -> list[str]:
-    """Every check of the flags that does not depend on this machine, one line per problem: ExtTrainingArguments
-    runs it at parse time and `trainer-ext ds-config` before rendering, so both accept the same flags; each backend
-    checks its own. Normalises in place (--sharded_ddp to a list, --warmup_ratio into --warmup_steps, --class_weights
-    to numbers, --checkpoint_storage_options to a dict)."""
-    problems: list[str] = []
-
-    def checked(parse, *values, otherwise=None):
-        try:
-            return parse(*values)
-        except ArgumentsError as err:
-            problems.append(str(err))
-            return otherwise
-
-    checked(check_fp16_backend, args.fp16_backend, args.fp16_opt_level)
-    if getattr(args, "use_cpu", False) and args.fp16:  # whatever this machine has: a preview says it too
-        problems.append("--fp16 with --use_cpu: fp16 needs a CUDA device and --use_cpu trains on the CPU; use --bf16 "
-                        "(or fp32) on CPU, or drop --use_cpu")
-    given = getattr(args, "flags_given", None) or ()
-    if {"warmup_steps", "warmup_ratio"} <= set(given) and args.warmup_ratio and not args.warmup_steps:
-        # --warmup_steps 0 typed beside a ratio: two answers to one question, whichever value the steps have
-        problems.append(f"--warmup_ratio {args.warmup_ratio} and --warmup_steps {args.warmup_steps:g} both set the "
-                        "warmup: give only one")
-    args.warmup_steps = checked(merge_warmup_ratio, args.warmup_steps, args.warmup_ratio, otherwise=args.warmup_steps)
-    args.class_weights = checked(parse_class_weights, args.class_weights)
-    args.checkpoint_storage_options = checked(parse_storage_options, args.checkpoint_storage_options, otherwise={})
-    return problems + selection_problems(args) + value_problems(args)
-
-
-STEPS = "a whole number of steps, or a ratio in (0, 1) of the training steps"
-# Values transformers would silently replace or ignore (TrainingArguments.__post_init__ and the Trainer, 5.23): each
-# flag -> (holds for the value, what it must be). None (unset) always holds.
-TRAINING_RANGES = {
-    "logging_steps": (lambda v: v > 0, f"must be > 0 ({STEPS}); transformers would log at negative multiples"),
-    "eval_steps": (lambda v: v > 0, f"must be > 0 ({STEPS}); transformers would use --logging_steps instead (leave "
-                                    "it unset for that)"),
-    "save_steps": (lambda v: v > 0, f"must be > 0 ({STEPS}); transformers would never save (--save_strategy no "
-                                    "says that)"),
-    "save_total_limit": (lambda v: v >= 1, "must be at least 1; transformers would keep every checkpoint (leave it "
-                                           "unset for that)"),
-    "max_steps": (lambda v: v == -1 or v > 0, "must be a positive number of steps, or -1 to train "
-                                              "--num_train_epochs (transformers would ignore it)"),
-    "num_train_epochs": (lambda v: v >= 0, "must be >= 0"),
-    "eval_delay": (lambda v: v >= 0, "must be >= 0 (steps or epochs before the first evaluation)"),
-    "label_smoothing_factor": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "dataloader_num_workers": (lambda v: v >= 0, "must be >= 0 (0: load in the main process)"),
-    "eval_accumulation_steps": (lambda v: v >= 1, "must be at least 1"),
-    "seed": (lambda v: 0 <= v < 2 ** 32, "must be in [0, 2**32) (numpy's seed range)"),
-    "data_seed": (lambda v: 0 <= v < 2 ** 32, "must be in [0, 2**32) (numpy's seed range)"),
-}
-
-
-def value_problems(args) -> list[str]:
-    """Flags out of FLAG_RANGES or TRAINING_RANGES, and a training run with nothing to train."""
-    problems = [f"--{flag} {getattr(args, flag)}: {why}" for flag in FLAG_RANGES
-                if (why := out_of_range(flag, getattr(args, flag)))]
-    for flag, (holds, requirement) in TRAINING_RANGES.items():
-        value = getattr(args, flag, None)
-        if value is not None and isinstance(value, (int, float)) and not isinstance(value, bool) and not holds(value):
-            problems.append(f"--{flag} {value:g}: {requirement}")
-    if args.do_train and args.max_steps <= 0 and args.num_train_epochs <= 0:
-        problems.append(f"--num_train_epochs {args.num_train_epochs} and --max_steps {args.max_steps}: nothing "
-                        "to train; give a positive --num_train_epochs or --max_steps")
-    return problems
-
 
 # The ExtArgumentParser whose command line is being turned into dataclasses right now (it passes every field).
 _PARSING: ContextVar[ExtArgumentParser | None] = ContextVar("trainer_ext_parsing", default=None)
@@ -213,6 +95,8 @@ class ExtTrainingArguments(TrainingArguments):
         prepare_sagemaker(self)  # in a SageMaker job: where the model and checkpoints go; nothing elsewhere
         if problems := flag_problems(self):  # what this machine cannot change; trainer-ext ds-config runs the same
             raise ArgumentsError("\n".join(problems))
+        for name, value in read_text_flags(self).items():
+            setattr(self, name, value)
         self.deepspeed_resolution = None  # set by the DeepSpeed backend: the config resolved against these flags
         backend_class(self).prepare_arguments(self)
         if missing := backend_class(self).missing_library(self):  # before transformers or accelerate import it
@@ -245,7 +129,7 @@ class ExtTrainingArguments(TrainingArguments):
     def check_paths(self) -> None:
         """An explicit checkpoint exists, checked before the model is loaded (seconds to minutes on a big model);
         --checkpoint_uri takes a write once the process is prepared (prepare_process)."""
-        from .checkpoint import PATH, resume_request
+        from ..checkpoint import PATH, resume_request
 
         resume = self.resume_from_checkpoint
         if isinstance(resume, str) and resume_request(resume) == PATH and not os.path.isdir(resume):

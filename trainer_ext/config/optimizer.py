@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ArgumentsError, UserError
+from ..errors import ArgumentsError, UserError
 
 
 def warmup_steps(warmup: float, num_training_steps: int | None) -> int | None:

@@ -1,0 +1,109 @@
+"""Every check of the flags that no machine could fix, one line per problem, and the readers of the flags that take
+text (--class_weights, --checkpoint_storage_options): ExtTrainingArguments runs them when built and `trainer-ext
+ds-config` before rendering, so both accept the same flags. Pure: the arguments are read, never changed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from ..backends import selection_problems
+from ..errors import ArgumentsError
+from ..sagemaker import parse_list
+from .optimizer import merge_warmup_ratio
+from .ranges import FLAG_RANGES, TRAINING_RANGES, out_of_range
+
+FP16_BACKENDS = ("auto", "amp", "apex")
+FP16_OPT_LEVELS = ("O0", "O1", "O2", "O3")
+
+
+def check_fp16_backend(backend: str, opt_level: str) -> None:
+    if backend not in FP16_BACKENDS:
+        raise ArgumentsError(f"--fp16_backend {backend!r}: choose one of {', '.join(FP16_BACKENDS)}")
+    if opt_level not in FP16_OPT_LEVELS:
+        raise ArgumentsError(f"--fp16_opt_level {opt_level!r}: choose one of {', '.join(FP16_OPT_LEVELS)}")
+    if backend == "apex" and importlib.util.find_spec("apex") is None:
+        raise ArgumentsError("--fp16_backend apex: NVIDIA apex is not installed "
+                             "(install it from https://github.com/NVIDIA/apex, or use --fp16_backend amp)")
+
+
+def parse_class_weights(value) -> list[float] | None:
+    """`--class_weights 1.0,3.0`, a JSON list `[1.0, 3.0]` (how SageMaker passes a list hyperparameter) or a list ->
+    [1.0, 3.0]; every weight positive."""
+    if value is None or value == "" or value == []:
+        return None
+    try:
+        if isinstance(value, str) and value.strip().startswith("["):
+            items = parse_list(value.strip())
+        else:
+            items = value.split(",") if isinstance(value, str) else list(value)
+        weights = [float(item) for item in items]
+    except (ValueError, TypeError):
+        raise ArgumentsError(f"--class_weights {value!r}: give numbers separated by commas, e.g. 1.0,3.0") from None
+    if len(weights) < 2 or any(w <= 0 for w in weights):
+        raise ArgumentsError(f"--class_weights {value!r}: need one positive weight per class (at least two)")
+    return weights
+
+
+def parse_storage_options(text: str | dict | None) -> dict:
+    """--checkpoint_storage_options: a JSON object of fsspec options (a dict from Python)."""
+    if isinstance(text, dict):
+        return dict(text)
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except ValueError as err:
+        raise ArgumentsError(f"--checkpoint_storage_options {text!r} is not JSON ({err}); e.g. "
+                             '\'{"endpoint_url": "http://127.0.0.1:9000"}\'') from None
+    if not isinstance(options, dict):
+        raise ArgumentsError(f"--checkpoint_storage_options {text!r} must be a JSON object")
+    return options
+
+
+def flag_problems(args) -> list[str]:
+    """Every check of the flags that does not depend on this machine, one line per problem, each backend's own among
+    them (Backend.owned_flag_problems). Reads `args` only: what the text flags stand for is read_text_flags'."""
+    problems: list[str] = []
+
+    def checked(parse, *values):
+        try:
+            parse(*values)
+        except ArgumentsError as err:
+            problems.append(str(err))
+
+    checked(check_fp16_backend, args.fp16_backend, args.fp16_opt_level)
+    if getattr(args, "use_cpu", False) and args.fp16:  # whatever this machine has: a preview says it too
+        problems.append("--fp16 with --use_cpu: fp16 needs a CUDA device and --use_cpu trains on the CPU; use --bf16 "
+                        "(or fp32) on CPU, or drop --use_cpu")
+    given = getattr(args, "flags_given", None) or ()
+    if {"warmup_steps", "warmup_ratio"} <= set(given) and args.warmup_ratio and not args.warmup_steps:
+        # --warmup_steps 0 typed beside a ratio: two answers to one question, whichever value the steps have
+        problems.append(f"--warmup_ratio {args.warmup_ratio} and --warmup_steps {args.warmup_steps:g} both set the "
+                        "warmup: give only one")
+    checked(merge_warmup_ratio, args.warmup_steps, args.warmup_ratio)
+    checked(parse_class_weights, args.class_weights)
+    checked(parse_storage_options, args.checkpoint_storage_options)
+    return problems + selection_problems(args) + value_problems(args)
+
+
+def read_text_flags(args) -> dict:
+    """What the flags given as text stand for, once flag_problems found none: --warmup_ratio as transformers 5's
+    --warmup_steps, --class_weights as numbers, --checkpoint_storage_options as a dict."""
+    return {"warmup_steps": merge_warmup_ratio(args.warmup_steps, args.warmup_ratio),
+            "class_weights": parse_class_weights(args.class_weights),
+            "checkpoint_storage_options": parse_storage_options(args.checkpoint_storage_options)}
+
+
+def value_problems(args) -> list[str]:
+    """Flags out of FLAG_RANGES or TRAINING_RANGES, and a training run with nothing to train."""
+    problems = [f"--{flag} {getattr(args, flag)}: {why}" for flag in FLAG_RANGES
+                if (why := out_of_range(flag, getattr(args, flag)))]
+    for flag, (holds, requirement) in TRAINING_RANGES.items():
+        value = getattr(args, flag, None)
+        if value is not None and isinstance(value, (int, float)) and not isinstance(value, bool) and not holds(value):
+            problems.append(f"--{flag} {value:g}: {requirement}")
+    if args.do_train and args.max_steps <= 0 and args.num_train_epochs <= 0:
+        problems.append(f"--num_train_epochs {args.num_train_epochs} and --max_steps {args.max_steps}: nothing "
+                        "to train; give a positive --num_train_epochs or --max_steps")
+    return problems
