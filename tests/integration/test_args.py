@@ -244,3 +244,16 @@ def test_building_the_arguments_touches_nothing_stock_arguments_do_not(tmp_path)
     assert ddp["env"] == {"DS_ACCELERATOR": [None, "cpu"], "OMP_NUM_THREADS": [None, str(max(1, cores // 2))]}
     assert {"RANK", "WORLD_SIZE", "MASTER_PORT"} <= zero2["env"].keys() and zero2["group"] == [False, True]
     assert report["world_size"] == 1 and again == {"env": {}, "files": []}
+
+
+def test_the_old_module_paths_still_load_saved_arguments_and_scripts():
+    """Every training_args.bin saved before config/ existed names trainer_ext.args.ExtTrainingArguments, and the docs
+    told users to import trainer_ext.experiment.run_experiment: without them a saved run's arguments no longer load
+    (torch.load) and such a script stops at its import."""
+    import pickle
+
+    from trainer_ext.config.experiment_file import run_experiment
+    from trainer_ext.experiment import run_experiment as old_run_experiment
+
+    assert pickle.loads(b"ctrainer_ext.args\nExtTrainingArguments\n.") is ExtTrainingArguments
+    assert old_run_experiment is run_experiment
