@@ -190,7 +190,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     import transformers
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
-    from ..process_setup import sharded_loading
+    from ..process_setup import prepare_process, sharded_loading
     from ..trainer import ExtTrainer
 
     from .common import check_best_metric, check_output_dir, check_sequence_length, reading
@@ -198,6 +198,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     model_path = model_args.model_name_or_path or shipped_model()
     check_output_dir(training_args, model_path)
     check_best_metric(training_args, EVAL_METRICS)
+    prepare_process(training_args)  # before the data and model load (--checkpoint_uri checked, threads per rank)
     raw = load_raw(data_args, training_args)
     for split in (split for split, flag in needed_splits(data_args, training_args).items() if flag):
         if split not in raw:
@@ -223,7 +224,6 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
                          id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
     tokenizer = load_tokenizer(model_path, model_args)
     check_sequence_length("--max_seq_length", data_args.max_seq_length, config, tokenizer)
-    # the process set up (prepare_process), then the model built partitioned where the backend can (ZeRO-3)
     with sharded_loading(training_args), reading("--model_name_or_path", model_path, "model"):
         model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config,
                                                                    **model_args.model_kwargs)

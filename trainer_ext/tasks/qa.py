@@ -329,7 +329,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     import transformers
     from transformers import AutoModelForQuestionAnswering, default_data_collator, set_seed
 
-    from ..process_setup import sharded_loading
+    from ..process_setup import prepare_process, sharded_loading
     from ..trainer import ExtTrainer
 
     from .common import check_best_metric, check_output_dir, check_sequence_length, reading
@@ -337,6 +337,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     model_path = model_args.model_name_or_path or shipped_model()
     check_output_dir(training_args, model_path)
     check_best_metric(training_args, EVAL_METRICS)
+    prepare_process(training_args)  # before the data and model load (--checkpoint_uri checked, threads per rank)
     files, left_out = checked_files(data_args, training_args)
     set_seed(training_args.seed)  # the new span head is initialised identically on every backend
     config = load_config(model_path, model_args)
@@ -345,7 +346,6 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
         raise ArgumentsError(f"{type(tokenizer).__name__} is not a fast tokenizer: question answering needs the "
                              "offset mapping only fast tokenizers give; pass --tokenizer_name of a fast one")
     check_sequence_length("--max_seq_length", data_args.max_seq_length, config, tokenizer)
-    # the process set up (prepare_process), then the model built partitioned where the backend can (ZeRO-3)
     with sharded_loading(training_args), reading("--model_name_or_path", model_path, "model"):
         model = AutoModelForQuestionAnswering.from_pretrained(model_path, config=config, **model_args.model_kwargs)
     transformers.utils.logging.set_verbosity_warning()

@@ -288,17 +288,18 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     the generated texts (`generated_eval_before.txt`, `generated_eval.txt`, `generated_predictions.txt`)."""
     from transformers import DataCollatorForSeq2Seq, set_seed
 
-    from ..process_setup import sharded_loading
+    from ..process_setup import prepare_process, sharded_loading
     from ..seq2seq import ExtSeq2SeqTrainer
 
     from .common import check_best_metric, check_output_dir
 
     check_output_dir(training_args, model_args.model_name_or_path)
     check_best_metric(training_args, EVAL_METRICS)
+    prepare_process(training_args)  # before the data and model load (--checkpoint_uri checked, threads per rank)
     files = data_files(data_args, training_args)
     pairs = load_pairs(files, data_args)  # checked before the model loads
     set_seed(training_args.seed)  # new weights (cross-attention, a config-built model) equal on every rank
-    with sharded_loading(training_args):  # the process set up, then partitioned where it can be (ZeRO-3)
+    with sharded_loading(training_args):  # partitioned where the backend can (ZeRO-3)
         model, tokenizer = build_model(model_args)
     check_lengths(model.config, data_args, training_args)
     tokenized = tokenize(pairs, tokenizer, model, data_args, training_args)
