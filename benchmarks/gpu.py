@@ -68,6 +68,10 @@ CONFIGS = [
            needs="fairscale"),
     # Issue 14's target: ZeRO-3 >= 0.7x plain where the model would fit anyway (measured 0.18x at DeepSpeed's defaults).
     Config("ZeRO-3, ExtTrainer (zero3)", "ext", "deepspeed", ("--deepspeed", "zero3"), needs="deepspeed"),
+    # Issue 22: PyTorch FSDP2 beside ZeRO-3 (the same memory: parameters, gradients and Adam sharded), bf16.
+    Config("FSDP2 full_shard, ExtTrainer (--fsdp full_shard auto_wrap)", "ext", "torchrun",
+           ("--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"transformer_layer_cls_to_wrap": ["BertLayer"]}'),
+           precisions=("bf16",)),
     Config("ZeRO-3 + offload, ExtTrainer (zero3_offload)", "ext", "deepspeed", ("--deepspeed", "zero3_offload"),
            needs="deepspeed"),
 ]

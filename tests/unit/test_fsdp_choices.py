@@ -178,3 +178,21 @@ def test_shard_applies_the_settings(world_of_one, reshard_after_forward):
     loss.backward()
     assert isinstance(query.weight, DTensor) and query.weight.grad.dtype == torch.float32
 
+
+def test_the_gpu_benchmark_row_is_fsdp2_full_shard_in_bf16_beside_zero3():
+    """benchmarks/gpu.py's FSDP2 row (a GPU session's only measurement of it) would run other settings than it names,
+    fail to parse after the GPU was lent, or fall behind rows the time budget cuts first."""
+    import importlib.util
+    import sys
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("gpu", REPO / "benchmarks" / "gpu.py")
+    gpu = sys.modules["gpu"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    names = [config.name for config in gpu.CONFIGS]
+    row = next(config for config in gpu.CONFIGS if config.name.startswith("FSDP2"))
+    assert names.index(row.name) == names.index("ZeRO-3, ExtTrainer (zero3)") + 1
+    assert row.precisions == ("bf16",) and row.launcher == "torchrun" and row.flags[0] == "--fsdp"
+    settings, _, problems = resolve_settings(row.flags[1], row.flags[3])
+    assert problems == [] and settings.reshard_after_forward and settings.layer_classes == ("BertLayer",)
