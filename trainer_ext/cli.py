@@ -237,5 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[command](rest)
 
 
+def run() -> None:
+    """The `trainer-ext` command: main's status, ending the process as errors.exit_process does (a launched run's
+    rank that finished is not aborted by the interpreter's teardown)."""
+    from .errors import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
