@@ -99,6 +99,8 @@ CASES = {
          "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95], "weight_decay": 0.1}},
          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}},
         dict(world_size=2, num_training_steps=100), None),
+    "fp16 off in the file against --fp16 --bf16 (a KeyError before)": (
+        typed(fp16=True, bf16=True), {"fp16": {"enabled": False}}, dict(world_size=1, num_training_steps=10), None),
     "batch fields that cannot hold, a missing step count, no optimizer type": (
         dict(warmup_steps=10),
         {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,

@@ -20,6 +20,7 @@ from .keys import (AUTO, DEEPSPEED_OPTIMIZER_NAMES, DEEPSPEED_OPTIMIZERS, DEEPSP
                    ZERO_TESTED_OPTIMIZERS, out_of_range)
 
 FLAG, DEFAULT, FILE, DERIVED = Origin.FLAG, Origin.DEFAULT, Origin.FILE, Origin.DERIVED
+PRECISIONS = ("fp16", "bf16")
 
 # ---------------------------------------------------------------------------------------------- the flags
 
@@ -221,12 +222,11 @@ def _migrate_legacy_stage3(draft: Draft, section: dict) -> None:
 def precision(config: dict, sources: dict[str, Source], run: Run) -> Draft:
     """fp16.enabled / bf16.enabled from --fp16 / --bf16 (at most one), and the fp16 block's loss scaling."""
     draft = Draft.of(config, sources)
-    fp16 = _enabled(draft, run, "fp16")
-    bf16 = _enabled(draft, run, "bf16")
-    if fp16 and bf16:
-        draft.problems.append(f"fp16.enabled and bf16.enabled are both true (fp16 from "
-                              f"{draft.sources['fp16.enabled']}, bf16 from {draft.sources['bf16.enabled']}): "
-                              f"choose one precision")
+    fp16, bf16 = (_enabled(draft, run, name) for name in PRECISIONS)
+    if fp16 and bf16:  # a file value refused for disagreeing with a typed flag has no source: the flag stands
+        fp16_from, bf16_from = (draft.sources.get(f"{name}.enabled", Source(FLAG, f" --{name}")) for name in PRECISIONS)
+        draft.problems.append(f"fp16.enabled and bf16.enabled are both true (fp16 from {fp16_from}, bf16 from "
+                              f"{bf16_from}): choose one precision")
     if fp16 and run.flag("fp16_backend") == "apex":
         draft.problems.append("--fp16_backend apex: DeepSpeed 0.19 removed Apex AMP (an \"amp\" block is rejected); "
                               "use --fp16_backend amp (DeepSpeed's own fp16) or --bf16")
