@@ -383,15 +383,85 @@ def _betas(draft: Draft, run: Run) -> None:
                flag_source(run.given("adam_beta1") or run.given("adam_beta2"), " --adam_beta1/--adam_beta2"))
 
 
-def scheduler(config: dict, sources: dict[str, Source], run: Run, learning_rate: float) -> Draft:
-    """The file's DeepSpeed scheduler checked against the flags, else one of the same shape as --lr_scheduler_type
-    (linear warmup, as transformers), else none: the Trainer builds transformers' own. `learning_rate`: the rate the
-    optimizer pass settled (a file's lr written back onto --learning_rate)."""
+def file_scheduler(config: dict, sources: dict[str, Source], run: Run, learning_rate: float) -> Draft:
+    """The file's DeepSpeed scheduler, checked against --lr_scheduler_type, its rate and warmup against the flags,
+    "auto" filled. `learning_rate`: the rate the optimizer pass settled (a file's lr written back)."""
     draft = Draft.of(config, sources)
-    steps = run.training_steps
-    if "scheduler" in draft.config:
-        _file_scheduler(draft, run, steps, learning_rate)
+    if "scheduler" not in draft.config:
         return draft
+    block, steps = draft.config["scheduler"], run.training_steps
+    if not isinstance(block, dict) or block.get("type") not in DEEPSPEED_SCHEDULERS:
+        given = block.get("type") if isinstance(block, dict) else block
+        hint = closest(str(given), DEEPSPEED_SCHEDULERS)
+        draft.problems.append(f"scheduler.type {json.dumps(given)} is not a DeepSpeed scheduler "
+                              f"({', '.join(DEEPSPEED_SCHEDULERS)})" + (f": did you mean {hint!r}?" if hint else ""))
+        return draft
+    scheduler_type = block["type"]
+    kind = run.flag("lr_scheduler_type")
+    if run.given("lr_scheduler_type") and SCHEDULER_FOR_TYPE.get(kind) != scheduler_type:
+        draft.problems.append(f"scheduler.type={scheduler_type} in the file disagrees with --lr_scheduler_type "
+                              f"{kind}: drop one of them")
+    params = block.setdefault("params", {})
+    if scheduler_type in ("WarmupLR", "WarmupDecayLR"):
+        if params.get("warmup_min_lr") in (None, AUTO):
+            draft.fill("scheduler.params.warmup_min_lr", 0, Source(DEFAULT))
+        optimizer_lr = get_field(draft.config, "optimizer.params.lr")
+        problems_before = len(draft.problems)
+        peak = fill_from_flag(draft, run, "scheduler.params.warmup_max_lr", learning_rate)
+        if (len(draft.problems) == problems_before and isinstance(optimizer_lr, (int, float))
+                and not same(optimizer_lr, peak)):
+            draft.problems.append(f"optimizer.params.lr={optimizer_lr} and scheduler.params.warmup_max_lr={peak} "
+                                  "disagree (after warmup the rate is warmup_max_lr): make them equal or set both to "
+                                  "\"auto\"")
+    if scheduler_type in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        _warmup(draft, run, steps)
+        if params.get("warmup_type") == AUTO:
+            draft.fill("scheduler.params.warmup_type", "linear", Source(DERIVED, " (linear, as transformers)"))
+        elif "warmup_type" not in params:
+            draft.notes.append("scheduler.params.warmup_type is not set: DeepSpeed warms up logarithmically; set it "
+                               "to \"linear\" to match transformers")
+    if scheduler_type in ("WarmupDecayLR", "WarmupCosineLR") and params.get("total_num_steps") in (None, AUTO):
+        draft.fill("scheduler.params.total_num_steps", draft.waits(steps, "scheduler.params.total_num_steps"),
+                   Source(DERIVED, " (number of training steps)"))
+    if scheduler_type == "WarmupCosineLR":
+        for key in ("warmup_min_ratio", "cos_min_ratio"):
+            if params.get(key) == AUTO:
+                draft.fill(f"scheduler.params.{key}", 0, Source(DEFAULT))
+    return draft
+
+
+def _warmup(draft: Draft, run: Run, steps: int | None) -> None:
+    """scheduler.params.warmup_num_steps against --warmup_steps / --warmup_ratio."""
+    path = "scheduler.params.warmup_num_steps"
+    file_val = get_field(draft.config, path)
+    warmup = warmup_steps_for(run.args, steps)
+    steps_flag, ratio_flag = FIELD_FLAGS[path]
+    flag = ratio_flag if run.given(ratio_flag) else steps_flag
+    if file_val in (None, AUTO):
+        value = draft.waits(None, path) if warmup is None else max(1, warmup)
+        draft.fill(path, value, Source(FLAG, f" --{flag}") if run.given(flag) else Source(DEFAULT, " --warmup_steps"))
+        return
+    if not positive_int(file_val):
+        draft.problems.append(f"{path} must be a positive integer, got {json.dumps(file_val)}")
+        return
+    if not run.given(steps_flag) and not run.given(ratio_flag):
+        draft.flags[steps_flag] = int(file_val)
+        draft.sources[path] = Source(FILE, " (--warmup_steps left at default 0)")
+    elif warmup is not None and warmup != file_val:
+        draft.problems.append(f"{path}={file_val} in the file disagrees with --{flag} {run.flag(flag)} ({warmup} "
+                              f"steps): drop one, or set {path} to \"auto\"")
+    else:
+        draft.sources[path] = Source(FILE, f" (= --{flag})")
+
+
+def flag_scheduler(config: dict, sources: dict[str, Source], run: Run, learning_rate: float) -> Draft:
+    """No scheduler in the file: DeepSpeed's of the same shape as --lr_scheduler_type (linear warmup, as transformers),
+    else none: the Trainer builds transformers' own. `learning_rate`: the rate the optimizer pass settled (a file's lr
+    written back onto --learning_rate)."""
+    draft = Draft.of(config, sources)
+    if "scheduler" in draft.config:
+        return draft
+    steps = run.training_steps
     kind = run.flag("lr_scheduler_type")
     warmup = 0 if kind == "constant" else warmup_steps_for(run.args, steps)
     reason = None
@@ -424,87 +494,9 @@ def scheduler(config: dict, sources: dict[str, Source], run: Run, learning_rate:
     return draft
 
 
-def _file_scheduler(draft: Draft, run: Run, steps: int | None, learning_rate: float) -> None:
-    block = draft.config["scheduler"]
-    if not isinstance(block, dict) or block.get("type") not in DEEPSPEED_SCHEDULERS:
-        given = block.get("type") if isinstance(block, dict) else block
-        hint = closest(str(given), DEEPSPEED_SCHEDULERS)
-        draft.problems.append(f"scheduler.type {json.dumps(given)} is not a DeepSpeed scheduler "
-                              f"({', '.join(DEEPSPEED_SCHEDULERS)})" + (f": did you mean {hint!r}?" if hint else ""))
-        return
-    scheduler_type = block["type"]
-    kind = run.flag("lr_scheduler_type")
-    if run.given("lr_scheduler_type") and SCHEDULER_FOR_TYPE.get(kind) != scheduler_type:
-        draft.problems.append(f"scheduler.type={scheduler_type} in the file disagrees with --lr_scheduler_type "
-                              f"{kind}: drop one of them")
-    params = block.setdefault("params", {})
-    if scheduler_type in ("WarmupLR", "WarmupDecayLR"):
-        if params.get("warmup_min_lr") in (None, AUTO):
-            draft.fill("scheduler.params.warmup_min_lr", 0, Source(DEFAULT))
-        optimizer_lr = get_field(draft.config, "optimizer.params.lr")
-        problems_before = len(draft.problems)
-        peak = fill_from_flag(draft, run, "scheduler.params.warmup_max_lr", learning_rate)
-        if (len(draft.problems) == problems_before and isinstance(optimizer_lr, (int, float))
-                and not same(optimizer_lr, peak)):
-            draft.problems.append(f"optimizer.params.lr={optimizer_lr} and scheduler.params.warmup_max_lr={peak} "
-                                  "disagree (after warmup the rate is warmup_max_lr): make them equal or set both to "
-                                  "\"auto\"")
-    if scheduler_type in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
-        _warmup(draft, run, steps)
-        if params.get("warmup_type") == AUTO:
-            draft.fill("scheduler.params.warmup_type", "linear", Source(DERIVED, " (linear, as transformers)"))
-        elif "warmup_type" not in params:
-            draft.notes.append("scheduler.params.warmup_type is not set: DeepSpeed warms up logarithmically; set it "
-                               "to \"linear\" to match transformers")
-    if scheduler_type in ("WarmupDecayLR", "WarmupCosineLR") and params.get("total_num_steps") in (None, AUTO):
-        draft.fill("scheduler.params.total_num_steps", draft.waits(steps, "scheduler.params.total_num_steps"),
-                   Source(DERIVED, " (number of training steps)"))
-    if scheduler_type == "WarmupCosineLR":
-        for key in ("warmup_min_ratio", "cos_min_ratio"):
-            if params.get(key) == AUTO:
-                draft.fill(f"scheduler.params.{key}", 0, Source(DEFAULT))
-
-
-def _warmup(draft: Draft, run: Run, steps: int | None) -> None:
-    """scheduler.params.warmup_num_steps against --warmup_steps / --warmup_ratio."""
-    path = "scheduler.params.warmup_num_steps"
-    file_val = get_field(draft.config, path)
-    warmup = warmup_steps_for(run.args, steps)
-    steps_flag, ratio_flag = FIELD_FLAGS[path]
-    flag = ratio_flag if run.given(ratio_flag) else steps_flag
-    if file_val in (None, AUTO):
-        value = draft.waits(None, path) if warmup is None else max(1, warmup)
-        draft.fill(path, value, Source(FLAG, f" --{flag}") if run.given(flag) else Source(DEFAULT, " --warmup_steps"))
-        return
-    if not positive_int(file_val):
-        draft.problems.append(f"{path} must be a positive integer, got {json.dumps(file_val)}")
-        return
-    if not run.given(steps_flag) and not run.given(ratio_flag):
-        draft.flags[steps_flag] = int(file_val)
-        draft.sources[path] = Source(FILE, " (--warmup_steps left at default 0)")
-    elif warmup is not None and warmup != file_val:
-        draft.problems.append(f"{path}={file_val} in the file disagrees with --{flag} {run.flag(flag)} ({warmup} "
-                              f"steps): drop one, or set {path} to \"auto\"")
-    else:
-        draft.sources[path] = Source(FILE, f" (= --{flag})")
-
-
-def zero_auto_value(key: str, hidden_size: int | None, model_given: bool) -> tuple[Any, Source] | None:
-    """A zero_optimization field given as "auto": transformers' rule from the model's hidden size h, else DeepSpeed's
-    own default; None when neither has a value for it."""
-    if key in HIDDEN_SIZE_AUTO and hidden_size:
-        rule, meaning = HIDDEN_SIZE_AUTO[key]
-        return rule(hidden_size), Source(DERIVED, f" from the model's hidden size h = {hidden_size} (transformers' "
-                                                  f"rule: {meaning})")
-    if key in ZERO_AUTO_FALLBACK:
-        why = "the model gives no hidden size to size it" if model_given else "no model given to size it"
-        return ZERO_AUTO_FALLBACK[key], Source(DEFAULT, f" (DeepSpeed's; {why})")
-    return None
-
-
 def zero(config: dict, sources: dict[str, Source], run: Run) -> Draft:
-    """The ZeRO section (ZeRO-2 when the file has none): its stage checked, the fields for where the ranks run or for
-    stage 3 filled, "auto" sizes from the model's hidden size (or pending until the model is known)."""
+    """The ZeRO section (ZeRO-2 when the file has none): its stage checked, the fields for where the ranks run (stage
+    1-2) or ZeRO-3's filled."""
     draft = Draft.of(config, sources)
     section = draft.config.get("zero_optimization")
     if section is None:
@@ -526,14 +518,6 @@ def zero(config: dict, sources: dict[str, Source], run: Run) -> Draft:
     elif isinstance(stage, int) and (ignored := sorted(STAGE3_ONLY_KEYS & set(section))):
         draft.notes.append(f"zero_optimization.{', zero_optimization.'.join(ignored)}: read only at stage 3; "
                            f"DeepSpeed ignores {'it' if len(ignored) == 1 else 'them'} at stage {stage}")
-    for key, value in list(section.items()):
-        if value != AUTO:
-            continue
-        path = f"zero_optimization.{key}"
-        if key in HIDDEN_SIZE_AUTO and not run.hidden_size and not run.final:
-            draft.pending.append(path)
-        elif sized := zero_auto_value(key, run.hidden_size, model_given=False):
-            section[key], draft.sources[path] = sized
     return draft
 
 
@@ -570,6 +554,35 @@ def _tuned_zero(draft: Draft, section: dict, run: Run) -> None:
             value, why = True, "DeepSpeed requires it with offload_optimizer"
         section[key] = value
         draft.sources[f"zero_optimization.{key}"] = Source(DEFAULT, f" for {ranks}: {why}")
+
+
+def zero_auto_value(key: str, hidden_size: int | None, model_given: bool) -> tuple[Any, Source] | None:
+    """A zero_optimization field given as "auto": transformers' rule from the model's hidden size h, else DeepSpeed's
+    own default; None when neither has a value for it."""
+    if key in HIDDEN_SIZE_AUTO and hidden_size:
+        rule, meaning = HIDDEN_SIZE_AUTO[key]
+        return rule(hidden_size), Source(DERIVED, f" from the model's hidden size h = {hidden_size} (transformers' "
+                                                  f"rule: {meaning})")
+    if key in ZERO_AUTO_FALLBACK:
+        why = "the model gives no hidden size to size it" if model_given else "no model given to size it"
+        return ZERO_AUTO_FALLBACK[key], Source(DEFAULT, f" (DeepSpeed's; {why})")
+    return None
+
+
+def zero_auto_sizes(config: dict, sources: dict[str, Source], run: Run) -> Draft:
+    """zero_optimization fields left "auto": sized from the model's hidden size, else DeepSpeed's defaults, or pending
+    until the model is known (phase 2 sizes them by the same rule)."""
+    draft = Draft.of(config, sources)
+    section = draft.config.get("zero_optimization")
+    for key, value in list(section.items()) if isinstance(section, dict) else ():
+        if value != AUTO:
+            continue
+        path = f"zero_optimization.{key}"
+        if key in HIDDEN_SIZE_AUTO and not run.hidden_size and not run.final:
+            draft.pending.append(path)
+        elif sized := zero_auto_value(key, run.hidden_size, model_given=False):
+            section[key], draft.sources[path] = sized
+    return draft
 
 
 def untested_optimizer(config: dict, sources: dict[str, Source]) -> Draft:

@@ -15,9 +15,9 @@ from typing import Any
 from ..runtime import world_size_from_environment
 from .fields import Origin, Source, iter_fields, numbers_from_strings, set_field, show, source_of
 from .load import DeepSpeedConfigError, load_deepspeed_config
-from .passes import (Draft, Run, batch, check_keys, clipping, flag_value, leftover_auto, migrate_legacy, optimizer,
-                     precision, precision_safety, scheduler, untested_optimizer, warmup_steps_for, zero,
-                     zero_auto_value)
+from .passes import (Draft, Run, batch, check_keys, clipping, file_scheduler, flag_scheduler, flag_value, leftover_auto,
+                     migrate_legacy, optimizer, precision, precision_safety, untested_optimizer, warmup_steps_for, zero,
+                     zero_auto_sizes, zero_auto_value)
 
 
 @dataclass
@@ -77,8 +77,10 @@ def _phase_one(config: dict, run: Run, origin: str) -> Resolution:
     config, sources = then(clipping(config, sources, run))
     config, sources = then(optimizer(config, sources, run))
     learning_rate = written_back().get("learning_rate", run.flag("learning_rate"))  # a file's lr, written back
-    config, sources = then(scheduler(config, sources, run, learning_rate))
+    config, sources = then(file_scheduler(config, sources, run, learning_rate))
+    config, sources = then(flag_scheduler(config, sources, run, learning_rate))
     config, sources = then(zero(config, sources, run))
+    config, sources = then(zero_auto_sizes(config, sources, run))
     config, sources = then(untested_optimizer(config, sources))
     config, sources = then(precision_safety(config, sources))
     pending = [path for draft in drafts for path in draft.pending]
