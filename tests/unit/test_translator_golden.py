@@ -109,6 +109,8 @@ CASES = {
     "batch fields no flag can mend, an unknown scheduler": (
         dict(warmup_steps=10), {"train_batch_size": 7, "scheduler": {"type": "WarmupLinear"}}, dict(world_size=2),
         None),
+    "a scheduler given as a name, not an object": (
+        dict(warmup_steps=10), {"scheduler": "WarmupLR"}, {}, None),
 }
 
 

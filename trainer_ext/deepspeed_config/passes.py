@@ -390,8 +390,12 @@ def file_scheduler(config: dict, sources: dict[str, Source], run: Run, learning_
     if "scheduler" not in draft.config:
         return draft
     block, steps = draft.config["scheduler"], run.training_steps
-    if not isinstance(block, dict) or block.get("type") not in DEEPSPEED_SCHEDULERS:
-        given = block.get("type") if isinstance(block, dict) else block
+    if not isinstance(block, dict):  # "scheduler": "WarmupLR", a name where DeepSpeed reads an object
+        draft.problems.append('scheduler must be an object with a "type" string, e.g. {"type": "WarmupLR", "params": '
+                              f'{{"warmup_num_steps": "auto"}}}}; got {json.dumps(block)}')
+        return draft
+    if block.get("type") not in DEEPSPEED_SCHEDULERS:
+        given = block.get("type")
         hint = closest(str(given), DEEPSPEED_SCHEDULERS)
         draft.problems.append(f"scheduler.type {json.dumps(given)} is not a DeepSpeed scheduler "
                               f"({', '.join(DEEPSPEED_SCHEDULERS)})" + (f": did you mean {hint!r}?" if hint else ""))
