@@ -384,8 +384,10 @@ def accumulate_runs(tmp_path_factory):
         "single": ["single", *ACCUMULATE, "--per_device_train_batch_size", 8, "--save_strategy", "steps",
                    "--save_steps", 6],
         "ddp": ["launch", *ACCUMULATE, "--per_device_train_batch_size", 4, "--save_strategy", "no"],
+        # Every 3 steps: a resume keeps its checkpoint's save_steps, so test_resume_world_size.py's 1-rank
+        # continuation of checkpoint-6 saves the 1-rank checkpoint-9 it resumes on 2 ranks.
         "zero2": ["deepspeed", *ACCUMULATE, "--per_device_train_batch_size", 4, "--deepspeed", "zero2_minimal",
-                  "--save_strategy", "steps", "--save_steps", 6],
+                  "--save_strategy", "steps", "--save_steps", 3],
     })
 
 
