@@ -1,6 +1,7 @@
 """Shared fixtures: DeepSpeed's own config parser as an oracle, and helpers to run real processes."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -55,15 +56,11 @@ def pytest_collection_finish(session):
         return
     log = tempfile.TemporaryFile("w+")
     _OPS.update(process=subprocess.Popen([PYTHON, "-c", PREBUILD], stdout=log, stderr=subprocess.STDOUT, text=True,
-                                         env=clean_env(), start_new_session=True), log=log, started=time.time(),
-                config=config)
-    _say(f"building DeepSpeed's ops in {os.environ['TORCH_EXTENSIONS_DIR']} in the background "
-                 "(once per environment)")
-
-
-def _say(line):
-    reporter = _OPS["config"].pluginmanager.get_plugin("terminalreporter")
-    reporter.write_line(line) if reporter else print(line)
+                                         env=clean_env(), start_new_session=True), log=log, started=time.time())
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter:
+        reporter.write_line(f"building DeepSpeed's ops in {os.environ['TORCH_EXTENSIONS_DIR']} in the background "
+                            "(once per environment)")
 
 
 def wait_for_deepspeed_ops():
@@ -88,9 +85,12 @@ def _wait_for_deepspeed_ops():
     log.seek(0)
     built = log.read()
     log.close()
-    _say(f"\nDeepSpeed's ops built ({' '.join(built.split())}); the tests waited {time.time() - waiting:.0f} s for them"
-         if process.returncode == 0 else
-         f"\nbuilding DeepSpeed's ops failed or took over 30 min (the DeepSpeed tests will show why):\n{built[-2000:]}")
+    # Said in the summary: a test's output is captured while its fixtures wait.
+    timings = ", ".join(line for line in built.splitlines() if re.fullmatch(r"\w+: \d+ s", line))  # PREBUILD's
+    _OPS["said"] = (f"DeepSpeed's ops built in the background ({timings}); the tests waited "
+                    f"{time.time() - waiting:.0f} s for them"
+                    if process.returncode == 0 else f"building DeepSpeed's ops failed or took over 30 min (the DeepSpeed "
+                                                    f"tests show why):\n{built[-2000:]}")
 
 
 @pytest.fixture(autouse=True)
@@ -165,7 +165,10 @@ _LAUNCHED: list[tuple[str, float]] = []  # (test file, seconds) of each process 
 
 
 def pytest_terminal_summary(terminalreporter):
-    """How many processes the tests launched and their seconds, per file (the CI time budget is spent on them)."""
+    """How many processes the tests launched and their seconds, per file (the CI time budget is spent on them), and
+    what DeepSpeed's op build cost."""
+    if "said" in _OPS:
+        terminalreporter.write_sep("=", _OPS["said"])
     if not _LAUNCHED:
         return
     per_file: dict[str, list[float]] = {}
