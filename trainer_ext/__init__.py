@@ -18,6 +18,7 @@ _LAZY = {
     "load_deepspeed_config": ".deepspeed_config",
     "DeepSpeedConfigError": ".deepspeed_config",
     "ArgumentsError": ".errors",
+    "exit_process": ".errors",
     "Preempted": ".preemption",
     "sharded_loading": ".backends",
 }

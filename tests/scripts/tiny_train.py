@@ -23,7 +23,8 @@ from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassificat
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from transformers import TrainerCallback  # noqa: E402
 
-from trainer_ext import ExtArgumentParser, ExtTrainer, ExtTrainingArguments, sharded_loading  # noqa: E402
+from trainer_ext import (ExtArgumentParser, ExtTrainer, ExtTrainingArguments, exit_process,  # noqa: E402
+                         sharded_loading)
 
 SHAPES = {  # dropout off: every backend and precision sees the same function
     "tiny": dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
@@ -94,3 +95,4 @@ if evaluation is not None:  # every rank's final weights, evaluated together
         logits = trainer.predict(evaluation).predictions
         if trainer.is_world_process_zero():
             (Path(args.output_dir) / "predictions.json").write_text(json.dumps(logits.tolist()))
+exit_process(0)  # as docs/operations.md advises a launched script: no teardown under gloo's threads
