@@ -59,5 +59,5 @@ setup(
         "test": TEST,
         "all": [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH_POSTGRES],
     },
-    entry_points={"console_scripts": ["trainer-ext=trainer_ext.cli:main"]},
+    entry_points={"console_scripts": ["trainer-ext=trainer_ext.cli:run"]},
 )

@@ -4,7 +4,7 @@ on all of them; writes benchmarks/results/gpu.{md,json,png} with samples/s, toke
 CUDA memory and the ratio of each configuration to plain ExtTrainer in the same precision on the same GPUs.
 
     python benchmarks/gpu.py                       # all rows that fit --budget_minutes (default 9)
-    python benchmarks/gpu.py --only simple ZeRO-2  # rows whose name holds one of these
+    python benchmarks/gpu.py --only simple ZeRO-2  # rows whose name holds one of these (a whole name: that row)
     python benchmarks/gpu.py --profile "simple"    # one row with torch.profiler tables of steps 8-10
 
 No model package and no network: everything is built from a config. Needs deepspeed and fairscale for their rows (a
@@ -68,6 +68,10 @@ CONFIGS = [
            needs="fairscale"),
     # Issue 14's target: ZeRO-3 >= 0.7x plain where the model would fit anyway (measured 0.18x at DeepSpeed's defaults).
     Config("ZeRO-3, ExtTrainer (zero3)", "ext", "deepspeed", ("--deepspeed", "zero3"), needs="deepspeed"),
+    # Issue 22: PyTorch FSDP2 beside ZeRO-3 (the same memory: parameters, gradients and Adam sharded), bf16.
+    Config("FSDP2 full_shard, ExtTrainer (--fsdp full_shard auto_wrap)", "ext", "torchrun",
+           ("--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"transformer_layer_cls_to_wrap": ["BertLayer"]}'),
+           precisions=("bf16",)),
     Config("ZeRO-3 + offload, ExtTrainer (zero3_offload)", "ext", "deepspeed", ("--deepspeed", "zero3_offload"),
            needs="deepspeed"),
 ]
@@ -286,7 +290,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget_minutes", type=float, default=9.0, help="rows that would end later are not run")
     parser.add_argument("--run_timeout", type=float, default=300, help="seconds before one row is given up")
     parser.add_argument("--ranks", type=int, nargs="*", help="GPU counts to run on (default: 1 and all GPUs)")
-    parser.add_argument("--only", nargs="*", help="substrings of configuration names to run (default: all)")
+    parser.add_argument("--only", nargs="*", help="configuration names to run, whole or in part (default: all)")
     parser.add_argument("--precision", choices=("bf16", "fp16"), nargs="*", help="default: both")
     parser.add_argument("--profile", metavar="NAME", help="run the first row whose name holds NAME with "
                                                           "torch.profiler over 3 steps; print its tables")
@@ -303,7 +307,9 @@ def main(argv=None) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     rank_counts = args.ranks or sorted({1, gpus})
-    configs = [c for c in CONFIGS if not args.only or any(s in c.name for s in args.only)]
+    names = {c.name for c in CONFIGS}  # a row's whole name picks that row alone; other words, every row holding them
+    configs = [c for c in CONFIGS
+               if not args.only or any(s == c.name if s in names else s in c.name for s in args.only)]
     runs = [(c, p, r) for c, p, r in plan_runs(configs, rank_counts) if not args.precision or p in args.precision]
     if args.profile:
         config, precision, ranks = next(((c, p, r) for c, p, r in runs if args.profile in c.name), (None, None, None))

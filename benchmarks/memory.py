@@ -14,13 +14,14 @@ from transformers import TrainerCallback
 
 
 def tensor_bytes(tensors) -> int:
-    """Bytes of distinct tensors (a tensor seen twice counts once); of a DTensor (FSDP2), this rank's shard."""
+    """Bytes of distinct tensors (a tensor seen twice counts once); of a DTensor (FSDP2), this rank's shard; of a
+    tensor on the meta device (built empty), none."""
     seen, total = set(), 0
     for tensor in tensors:
         if torch.is_tensor(tensor) and id(tensor) not in seen:
             seen.add(id(tensor))
             local = tensor.to_local() if hasattr(tensor, "device_mesh") else tensor
-            total += local.numel() * local.element_size()
+            total += 0 if local.is_meta else local.numel() * local.element_size()
     return total
 
 
@@ -170,6 +171,8 @@ class ModelStateReport(TrainerCallback):
         self.record["step_end_times"].append(time.perf_counter())
         if state.global_step == self.measure_step:
             self.record["params_bytes"] = parameter_bytes(model.parameters())
+            self.record["params_devices"] = sorted({(p.to_local() if hasattr(p, "device_mesh") else p).device.type
+                                                    for p in model.parameters()})  # where this rank's shards live
             self.record["num_parameters"] = parameter_count(model)
             self.record.update({f"{k}_bytes": v for k, v in optimizer_bytes(optimizer).items()})
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO))  # run from a source checkout without installing
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model hubs are unreachable here; everything is local
 
 from trainer_ext import ExtArgumentParser, ExtTrainingArguments  # noqa: E402
-from trainer_ext.errors import user_errors  # noqa: E402
+from trainer_ext.errors import exit_process, user_errors  # noqa: E402
 from trainer_ext.tasks.classification import DataArguments, ModelArguments, run  # noqa: E402
 
 
@@ -32,3 +32,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # a finished rank ends without interpreter teardown, where gloo's threads can abort it

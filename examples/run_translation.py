@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model hubs are unreachable here;
 import transformers  # noqa: E402
 
 from trainer_ext import ExtArgumentParser, ExtSeq2SeqTrainingArguments  # noqa: E402
-from trainer_ext.errors import user_errors  # noqa: E402
+from trainer_ext.errors import exit_process, user_errors  # noqa: E402
 from trainer_ext.tasks.translation import DataArguments, ModelArguments, run  # noqa: E402
 
 
@@ -41,3 +41,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # a finished rank ends without interpreter teardown, where gloo's threads can abort it

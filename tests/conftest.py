@@ -1,9 +1,12 @@
 """Shared fixtures: DeepSpeed's own config parser as an oracle, and helpers to run real processes."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -29,26 +32,80 @@ for name in ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder"):
 """
 
 
-def pytest_sessionstart(session):
-    """Build DeepSpeed's JIT ops once, before any test, in this environment's own folder: a fresh clone then
-    builds them here (~2-3 min on 2 cores) instead of inside the first launcher test, under its timeout, and a
-    build killed elsewhere (another clone, a stopped session) cannot leave a lock that hangs every later run."""
-    import importlib.util
+_OPS: dict = {}  # the background build of DeepSpeed's ops: its process, log file and start time
+_OPS_LOCK = threading.Lock()
 
+
+def pytest_sessionstart(session):
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     clear_stale_build_locks(min_age_s=0)
-    if importlib.util.find_spec("deepspeed") is None or "not launch" in session.config.getoption("markexpr", ""):
+
+
+def pytest_collection_finish(session):
+    """Start building DeepSpeed's JIT ops in this environment's own folder, in the background, when a selected test
+    needs DeepSpeed: a fresh clone builds them (~5-8 min on 2 cores) while the files without a DeepSpeed test run
+    (they go first, see pytest_collection_modifyitems); a test marked `deepspeed` waits for the build
+    (wait_for_deepspeed_ops), so no launcher test builds them under its timeout, and a build killed elsewhere
+    (another clone, a stopped session) cannot leave a lock that hangs every later run."""
+    import importlib.util
+    import tempfile
+
+    config = session.config
+    if (importlib.util.find_spec("deepspeed") is None or "not launch" in config.getoption("markexpr", "")
+            or config.getoption("collectonly") or not any(i.get_closest_marker("deepspeed") for i in session.items)):
         return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    say = reporter.write_line if reporter else print
-    say(f"building DeepSpeed's ops in {os.environ['TORCH_EXTENSIONS_DIR']} (once per environment)")
+    log = tempfile.TemporaryFile("w+")
+    _OPS.update(process=subprocess.Popen([PYTHON, "-c", PREBUILD], stdout=log, stderr=subprocess.STDOUT, text=True,
+                                         env=clean_env(), start_new_session=True), log=log, started=time.time())
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter:
+        reporter.write_line(f"building DeepSpeed's ops in {os.environ['TORCH_EXTENSIONS_DIR']} in the background "
+                            "(once per environment)")
+
+
+def wait_for_deepspeed_ops():
+    """Block until the background build has ended; say once what it took and how long the tests waited for it."""
+    with _OPS_LOCK:  # run_many's threads
+        _wait_for_deepspeed_ops()
+
+
+def _wait_for_deepspeed_ops():
+    process = _OPS.get("process")
+    if process is None or "waited" in _OPS:
+        return
+    waiting = time.time()
     try:
-        built = run([PYTHON, "-c", PREBUILD], timeout=1800)
+        process.wait(timeout=max(1.0, 1800 - (time.time() - _OPS["started"])))
     except subprocess.TimeoutExpired:
-        say("building DeepSpeed's ops took over 30 min; the DeepSpeed tests will build them themselves")
-        return
-    say(" ".join(built.stdout.split("\n")) if built.returncode == 0 else
-        f"building DeepSpeed's ops failed (the DeepSpeed tests will show why):\n{built.stderr[-2000:]}")
+        os.killpg(process.pid, 9)
+        process.wait()
+        clear_stale_build_locks(min_age_s=0)
+    _OPS["waited"] = True
+    log = _OPS["log"]
+    log.seek(0)
+    built = log.read()
+    log.close()
+    # Said in the summary: a test's output is captured while its fixtures wait.
+    timings = ", ".join(line for line in built.splitlines() if re.fullmatch(r"\w+: \d+ s", line))  # PREBUILD's
+    _OPS["said"] = (f"DeepSpeed's ops built in the background ({timings}); the tests waited "
+                    f"{time.time() - waiting:.0f} s for them"
+                    if process.returncode == 0 else f"building DeepSpeed's ops failed or took over 30 min (the DeepSpeed "
+                                                    f"tests show why):\n{built[-2000:]}")
+
+
+@pytest.fixture(autouse=True)
+def _deepspeed_ops_built(request):
+    """A test that needs DeepSpeed (in this process or a launched one) starts once its ops are built."""
+    if request.node.get_closest_marker("deepspeed"):
+        wait_for_deepspeed_ops()
+
+
+def pytest_sessionfinish(session):
+    process = _OPS.get("process")
+    if process is not None and process.poll() is None:  # the session stopped before a DeepSpeed test (-x, ^C)
+        os.killpg(process.pid, 9)
+        process.wait()
+        clear_stale_build_locks(min_age_s=0)
 
 
 def pytest_report_header(config):
@@ -77,6 +134,10 @@ _EXAMPLES = {"run_glue.py", "run_qa.py", "run_translation.py"}
 def pytest_collection_modifyitems(config, items):
     for marker, nodeids in _MARKED.items():
         nodeids.update(item.nodeid for item in items if item.get_closest_marker(marker))
+    # Files without a DeepSpeed test first, while DeepSpeed's ops build in the background; a file's tests stay
+    # together and in order (its module fixtures are set up once).
+    with_deepspeed = {item.path for item in items if item.get_closest_marker("deepspeed")}
+    items.sort(key=lambda item: item.path in with_deepspeed)
 
 
 def _check_markers(args: list[str]) -> None:
@@ -96,6 +157,27 @@ def _check_markers(args: list[str]) -> None:
     missing = sorted(marker for marker in needs if current not in _MARKED[marker])
     assert not missing, f"{current} starts {' '.join(args[:3])} ...: mark it " + " ".join(
         f"@pytest.mark.{marker}" for marker in missing)
+    if current in _MARKED["deepspeed"]:  # a session fixture's runs start before the test's autouse fixtures
+        wait_for_deepspeed_ops()
+
+
+_LAUNCHED: list[tuple[str, float]] = []  # (test file, seconds) of each process run() started: CI's time goes there
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many processes the tests launched and their seconds, per file (the CI time budget is spent on them), and
+    what DeepSpeed's op build cost."""
+    if "said" in _OPS:
+        terminalreporter.write_sep("=", _OPS["said"])
+    if not _LAUNCHED:
+        return
+    per_file: dict[str, list[float]] = {}
+    for path, seconds in _LAUNCHED:
+        per_file.setdefault(path, []).append(seconds)
+    terminalreporter.write_sep("=", f"{len(_LAUNCHED)} processes launched by run(), "
+                                    f"{sum(s for _, s in _LAUNCHED):.0f} s")
+    for path, times in sorted(per_file.items(), key=lambda item: -sum(item[1])):
+        terminalreporter.write_line(f"{sum(times):8.0f} s {len(times):4d} processes  {path}")
 
 
 def run(cmd, timeout=600, env=None, cwd=REPO):
@@ -107,16 +189,35 @@ def run(cmd, timeout=600, env=None, cwd=REPO):
     full_env.update(PYTHONUNBUFFERED="1", **(env or {}))
     args = [str(c) for c in cmd]
     _check_markers(args)
+    started = time.time()
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                                cwd=cwd, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
+        _LAUNCHED.append((os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0], time.time() - started))
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         clear_stale_build_locks(min_age_s=0)  # a rank killed while loading a DeepSpeed op must not hang the rest
         raise subprocess.TimeoutExpired(args, timeout, output=stdout, stderr=stderr) from None
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+
+
+def run_many(commands: dict, jobs: int = 2, **kwargs) -> dict:
+    """run() each of {key: (cmd, env)}, `jobs` at a time: a one-process command that ends after parsing is start-up on
+    one core (imports, ~5 s), so CI's 2 cores run two; returns {key: CompletedProcess}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(jobs) as pool:
+        futures = {key: pool.submit(run, cmd, env=env, **kwargs) for key, (cmd, env) in commands.items()}
+    return {key: future.result() for key, future in futures.items()}
+
+
+def selected(request, test_name: str, param: str) -> list:
+    """The values of `param` in this module's selected tests named `test_name`: a fixture that runs their commands
+    together (run_many) runs only the cases a `-k` or a failed-first rerun kept."""
+    return [item.callspec.params[param] for item in request.session.items
+            if item.module is request.module and item.originalname == test_name]
 
 
 class DataParallelWorld:
@@ -146,6 +247,7 @@ def clean_env() -> dict:
 @pytest.fixture(scope="session")
 def deepspeed_accepts():
     """Returns check(config, world_size) -> DeepSpeedConfig, parsed by DeepSpeed itself (raises if rejected)."""
+    wait_for_deepspeed_ops()  # init_distributed loads DeepSpeed's shared-memory op
     saved = {k: os.environ.get(k) for k in DISTRIBUTED_ENV}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
                       WORLD_SIZE="1")
@@ -248,25 +350,48 @@ ACCUMULATE = ["--do_train", "--max_steps", "12", "--gradient_accumulation_steps"
               "--warmup_steps", "5", "--learning_rate", "1e-4"]
 
 
+class SharedRuns:
+    """Session-wide reference runs, each launched when a test first reads it (`runs / "zero2"` is its output_dir): a
+    test starts only the runs it compares with, so its markers stay true when it runs alone (a FairScale test that
+    reads the single and DDP runs launches no DeepSpeed)."""
+
+    def __init__(self, root, runs):
+        self.root, self.runs, self.failed = root, runs, {}
+
+    def __truediv__(self, name):
+        output_dir = self.root / name
+        if name in self.failed:
+            pytest.fail(f"the shared run {name} failed earlier:\n{self.failed[name]}")
+        if not output_dir.exists():
+            kind, *flags = self.runs[name]
+            try:
+                launch(kind, output_dir, *flags)
+            except AssertionError as error:
+                self.failed[name] = str(error)
+                raise
+        return output_dir
+
+
 @pytest.fixture(scope="session")
 def plain_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("plain")
-    launch("single", root / "single", *PLAIN, "--per_device_train_batch_size", 16)
-    launch("torchrun", root / "ddp", *PLAIN, "--per_device_train_batch_size", 8)
-    launch("deepspeed", root / "zero2", *PLAIN, "--per_device_train_batch_size", 8, "--deepspeed",
-           "ds_configs/zero2_minimal.json")
-    return root
+    return SharedRuns(tmp_path_factory.mktemp("plain"), {
+        "single": ["single", *PLAIN, "--per_device_train_batch_size", 16],
+        "ddp": ["torchrun", *PLAIN, "--per_device_train_batch_size", 8],
+        "zero2": ["deepspeed", *PLAIN, "--per_device_train_batch_size", 8, "--deepspeed", "ds_configs/zero2_minimal.json"],
+    })
 
 
 @pytest.fixture(scope="session")
 def accumulate_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("accumulate")
-    launch("single", root / "single", *ACCUMULATE, "--per_device_train_batch_size", 8, "--save_strategy", "steps",
-           "--save_steps", 6)
-    launch("launch", root / "ddp", *ACCUMULATE, "--per_device_train_batch_size", 4, "--save_strategy", "no")
-    launch("deepspeed", root / "zero2", *ACCUMULATE, "--per_device_train_batch_size", 4, "--deepspeed",
-           "zero2_minimal", "--save_strategy", "steps", "--save_steps", 6)
-    return root
+    return SharedRuns(tmp_path_factory.mktemp("accumulate"), {
+        "single": ["single", *ACCUMULATE, "--per_device_train_batch_size", 8, "--save_strategy", "steps",
+                   "--save_steps", 6],
+        "ddp": ["launch", *ACCUMULATE, "--per_device_train_batch_size", 4, "--save_strategy", "no"],
+        # Every 3 steps: a resume keeps its checkpoint's save_steps, so test_resume_world_size.py's 1-rank
+        # continuation of checkpoint-6 saves the 1-rank checkpoint-9 it resumes on 2 ranks.
+        "zero2": ["deepspeed", *ACCUMULATE, "--per_device_train_batch_size", 4, "--deepspeed", "zero2_minimal",
+                  "--save_strategy", "steps", "--save_steps", 3],
+    })
 
 
 def assert_same_training(base, other, steps):
@@ -294,8 +419,6 @@ def assert_continues(uninterrupted, resumed, first_step, last_step=12):
 
 def rank_process(launcher, rank: int, timeout=300, script="run_glue.py"):
     """The process of `rank` among a launcher's children (to signal one rank)."""
-    import time
-
     import psutil
 
     deadline = time.time() + timeout

@@ -19,6 +19,7 @@ _LAZY = {
     "load_deepspeed_config": ".deepspeed_config",
     "DeepSpeedConfigError": ".deepspeed_config",
     "ArgumentsError": ".errors",
+    "exit_process": ".errors",
     "Preempted": ".preemption",
     "sharded_loading": ".process_setup",
     "prepare_process": ".process_setup",

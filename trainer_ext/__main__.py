@@ -1,7 +1,5 @@
 """`python -m trainer_ext COMMAND ...` (and `torchrun -m trainer_ext train experiment.yaml`): the trainer-ext CLI."""
 
-import sys
+from .cli import run
 
-from .cli import main
-
-sys.exit(main())
+run()

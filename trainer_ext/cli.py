@@ -151,9 +151,7 @@ def search(argv: list[str]) -> int:
     settings = SearchSettings.from_dict(result["settings"])
     experiment = os.path.abspath(args.experiment)
     if args.check:
-        import yaml
-
-        print(yaml.safe_dump(settings.to_dict(), sort_keys=False), end="")
+        print(search_as_checked(settings), end="")
         print("each trial:", *launcher.command(), "train", experiment, *flags, "--output_dir",
               f"{settings.study_dir}/trial-N", "--FIELD VALUE ...")
         return 0
@@ -206,6 +204,18 @@ def plan(argv: list[str]) -> int:
 COMMANDS = {"ds-config": ds_config, "plan": plan, "search": search, "train": train}
 
 
+def search_as_checked(settings) -> str:
+    """The search section `trainer-ext search --check` prints: as resolved, the storage URL without its password."""
+    import yaml
+
+    from .search.study import shown
+
+    values = settings.to_dict()
+    if values.get("storage"):
+        values["storage"] = shown(values["storage"])
+    return yaml.safe_dump(values, sort_keys=False)
+
+
 def _without_local_rank(argv: list[str]) -> list[str]:
     """deepspeed and torch.distributed.launch put --local_rank=N before the command; LOCAL_RANK has it too."""
     kept, skip = [], False
@@ -238,5 +248,13 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[command](rest)
 
 
+def run() -> None:
+    """The `trainer-ext` command: main's status, ending the process as errors.exit_process does (a launched run's
+    rank that finished is not aborted by the interpreter's teardown)."""
+    from .errors import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

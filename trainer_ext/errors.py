@@ -79,22 +79,29 @@ def install_excepthook() -> None:
         if not issubclass(kind, UserError) or debugging() or hasattr(sys, "ps1"):
             return previous(kind, error, traceback)
         # The real stderr: torch's process group wraps a hook installed before it in a sys.stderr buffer it writes out
-        # only after the hook returns, which _exit never does.
+        # only after the hook returns, which exit_process never does.
         report(error, stream=sys.__stderr__)
-        _exit(2)
+        exit_process(2)
 
     hook.trainer_ext = True
     sys.excepthook = hook
 
 
-def _exit(status: int) -> None:
-    """Exit with `status` from inside sys.excepthook, where the interpreter would otherwise choose 1."""
+def exit_process(status: int = 0):
+    """End this process with `status` as a normal exit would (threads joined, every exit handler run, so the process
+    group is released), then skip interpreter finalization: torch 2.13's DDP keeps gloo's threads alive past
+    destroy_process_group (measured: docs/operations.md), and the interpreter torn down under them can abort a rank
+    that finished ("terminate called without an active exception", SIGABRT), so the launcher fails the whole job.
+    For the process boundary only (our commands and examples, the end of a launched script); never returns."""
     import atexit
+    import threading
 
-    atexit._run_exitfuncs()  # noqa: SLF001 (the handlers an ordinary exit runs; os._exit below skips them)
+    if threading.current_thread() is threading.main_thread():
+        threading._shutdown()  # noqa: SLF001 (what a normal exit does first: executors' hooks, then non-daemon threads)
+    atexit._run_exitfuncs()  # noqa: SLF001 (the handlers a normal exit runs; os._exit below skips them)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(status)
+    os._exit(int(status or 0))

@@ -45,9 +45,11 @@ def check_checkpoint_uri(args) -> None:
 
 def sharded_loading(args):
     """`with sharded_loading(args): model = AutoModel....from_pretrained(...)`: the process prepared (prepare_process),
-    then the selected backend's model construction context (ZeRO-3 builds and loads the model partitioned, so no rank
-    ever holds all of it); with any other backend it changes nothing, so one script serves them all. Also covers
-    `from_config`; a model class called directly is built whole."""
+    then the selected backend's model construction context, so one script serves every backend. ZeRO-3 builds and
+    loads the model partitioned (also `from_config`; a model class called directly is built whole), so no rank ever
+    holds all of it; FSDP2 with `--fsdp_config cpu_ram_efficient_loading true` loads it on rank 0 only, the other ranks
+    build it empty (also `from_config` and a class called directly) and receive their shards after fully_shard; any
+    other backend changes nothing."""
     if args is None:
         return Backend.model_sharded_context(args)
     prepare_process(args)

@@ -22,11 +22,9 @@ def contents(output_dir):
             for path in sorted(output_dir.rglob("*")) if path.is_file() and path.name not in REWRITTEN}
 
 
-@pytest.mark.model_package
-@pytest.mark.parametrize("kind,flags", [("single", []), ("deepspeed", ["--deepspeed", "zero2_minimal"])])
-def test_rerun_of_a_finished_command_trains_nothing(tmp_path, kind, flags):
-    """Stock transformers trains step 7, writes checkpoint-7, rotates checkpoint-3 away and overwrites the metrics."""
-    output_dir = tmp_path / "run"
+def finished_then_rerun(output_dir, kind, *flags):
+    """Stock transformers trains step 7, writes checkpoint-7, rotates checkpoint-3 away and overwrites the metrics;
+    ours trains nothing, changes nothing, says so and evaluates the finished weights. Returns the first evaluation."""
     launch(kind, output_dir, *FLAGS, *flags)
     before, eval_before = contents(output_dir), json.loads((output_dir / "eval_results.json").read_text())
     assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
@@ -39,15 +37,22 @@ def test_rerun_of_a_finished_command_trains_nothing(tmp_path, kind, flags):
     eval_after = json.loads((output_dir / "eval_results.json").read_text())
     assert abs(eval_after["eval_loss"] - eval_before["eval_loss"]) < 1e-6  # the finished weights were evaluated
     assert eval_after["eval_accuracy"] == eval_before["eval_accuracy"]
+    return eval_before
 
 
 @pytest.mark.model_package
-def test_rerun_finds_the_finished_run_at_the_checkpoint_uri(tmp_path):
-    """output_dir lost (a new machine): the finished checkpoint is downloaded, nothing trains, nothing is uploaded."""
+def test_rerun_of_a_finished_zero2_command_trains_nothing(tmp_path):
+    """A finished ZeRO-2 run started again trains no step, rewrites no file and evaluates its finished weights."""
+    finished_then_rerun(tmp_path / "run", "deepspeed", "--deepspeed", "zero2_minimal")
+
+
+@pytest.mark.model_package
+def test_rerun_trains_nothing_and_finds_the_finished_run_at_the_checkpoint_uri(tmp_path):
+    """Rerun in place, nothing trains or changes; output_dir lost (a new machine): the finished checkpoint is
+    downloaded, nothing trains, nothing is uploaded."""
     remote = tmp_path / "remote"
     output_dir = tmp_path / "run"
-    launch("single", output_dir, *FLAGS, "--checkpoint_uri", remote)
-    eval_before = json.loads((output_dir / "eval_results.json").read_text())
+    eval_before = finished_then_rerun(output_dir, "single", "--checkpoint_uri", remote)
     uploaded = contents(remote)
     shutil.rmtree(output_dir)
     again = launch("single", output_dir, *FLAGS, "--checkpoint_uri", remote)

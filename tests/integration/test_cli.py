@@ -121,3 +121,15 @@ def test_the_experiment_file_is_found_among_flags_before_it():
     assert experiment_first(["--max_steps", "5", "exp.yaml", "--check"]) == ["exp.yaml", "--max_steps", "5", "--check"]
     assert experiment_first(["a.yml", "--max_steps", "5"]) == ["a.yml", "--max_steps", "5"]
     assert experiment_first(["--max_steps", "5", "a.yaml", "b.yaml"]) == ["--max_steps", "5", "a.yaml", "b.yaml"]
+
+
+def test_search_check_prints_the_storage_url_without_its_password():
+    """`trainer-ext search --check` printed the study storage URL with its password."""
+    from trainer_ext.cli import search_as_checked
+    from trainer_ext.search.space import SearchSettings
+
+    settings = SearchSettings(space={}, metric="eval_accuracy", direction="maximize", study_name="s", study_dir="s",
+                              storage="postgresql+psycopg://tuner:s3cret@db:5432/studies")
+    printed = search_as_checked(settings)
+    assert "s3cret" not in printed and "storage: postgresql+psycopg://tuner:***@db:5432/studies" in printed
+    assert settings.storage.endswith("tuner:s3cret@db:5432/studies")  # what the workers use keeps it

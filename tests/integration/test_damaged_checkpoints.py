@@ -43,10 +43,10 @@ def train(output_dir, backend, max_steps, *flags, check=True):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """6 steps per backend, checkpoints at 2, 4 and 6."""
+    """6 steps per backend, checkpoints at 2, 4 and 6; the single process's also uploaded to root/remote."""
     root = tmp_path_factory.mktemp("uninterrupted")
     for backend in FILES:
-        train(root / backend, backend, 6)
+        train(root / backend, backend, 6, *(["--checkpoint_uri", root / "remote"] if backend == "single" else []))
     return root
 
 
@@ -106,8 +106,7 @@ def test_explicit_resume_from_a_damaged_checkpoint_is_refused(uninterrupted, tmp
 def test_a_damaged_remote_checkpoint_is_skipped_on_download(uninterrupted, tmp_path):
     """output_dir lost, the newest remote checkpoint damaged in storage: the one before is downloaded instead."""
     remote, run_dir = tmp_path / "remote", tmp_path / "run"
-    train(run_dir, "single", 6, "--checkpoint_uri", remote)
-    shutil.rmtree(run_dir)
+    shutil.copytree(uninterrupted / "remote", remote)
     damage(remote / "checkpoint-6" / "model.safetensors", "same size")
     out = train(run_dir, "single", 6, "--checkpoint_uri", remote)
     said = out.stdout + out.stderr

@@ -10,15 +10,23 @@ pytestmark = [pytest.mark.launch, pytest.mark.deepspeed, pytest.mark.model_packa
 ZERO2 = ["--deepspeed", "zero2_minimal"]
 
 
-def test_zero2_from_2_ranks_resumes_on_1_then_resumes_again(accumulate_runs, tmp_path):
-    """Same global batch (8 x 2 accumulation on 1 rank = 4 x 2 x 2 ranks); a later ordinary resume still works."""
-    uninterrupted = accumulate_runs / "zero2"
-    resumed = copy_checkpoint(uninterrupted, 6, tmp_path / "one-rank")
+@pytest.fixture(scope="module")
+def on_one_rank(accumulate_runs, tmp_path_factory):
+    """The 2-rank run's checkpoint-6 resumed on 1 rank to step 12 (8 x 2 accumulation on 1 rank = 4 x 2 x 2 ranks),
+    saving 1-rank checkpoints at 9 and 12 (the checkpoint's save_steps); returns its output_dir and log."""
+    resumed = copy_checkpoint(accumulate_runs / "zero2", 6, tmp_path_factory.mktemp("world-size") / "one-rank")
     out = launch("deepspeed", resumed, *ACCUMULATE, "--per_device_train_batch_size", 8, *ZERO2, "--save_strategy",
-                 "steps", "--save_steps", 6, ranks=1)
-    assert "saved on 2 ranks, resuming on 1" in out.stdout + out.stderr
-    assert (out.stdout + out.stderr).count("resuming a 2-rank ZeRO checkpoint on 1 ranks (universal)") == 1
-    assert_continues(uninterrupted, resumed, 7)
+                 "steps", "--save_steps", 3, ranks=1)
+    assert sorted(p.name for p in resumed.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-6", "checkpoint-9"]
+    return resumed, out.stdout + out.stderr
+
+
+def test_zero2_from_2_ranks_resumes_on_1_then_resumes_again(accumulate_runs, on_one_rank):
+    """Same global batch on 1 rank continues the 2-rank run; a later ordinary resume still works."""
+    resumed, said = on_one_rank
+    assert "saved on 2 ranks, resuming on 1" in said
+    assert said.count("resuming a 2-rank ZeRO checkpoint on 1 ranks (universal)") == 1
+    assert_continues(accumulate_runs / "zero2", resumed, 7)
     # The conversion is for that one load: continuing from the 1-rank checkpoint-12 is an ordinary resume.
     more = launch("deepspeed", resumed, *ACCUMULATE, "--per_device_train_batch_size", 8, *ZERO2,
                   "--save_strategy", "no", "--max_steps", 14, ranks=1)
@@ -27,11 +35,11 @@ def test_zero2_from_2_ranks_resumes_on_1_then_resumes_again(accumulate_runs, tmp
     assert sorted(logged(resumed))[-1] == 14
 
 
-def test_zero2_from_1_rank_resumes_on_2(tmp_path):
-    """A ZeRO-2 checkpoint from 1 rank must resume on 2 and continue the uninterrupted run's losses and weights."""
-    one_rank = tmp_path / "uninterrupted"
-    launch("deepspeed", one_rank, *ACCUMULATE, "--per_device_train_batch_size", 8, *ZERO2, "--save_strategy",
-           "steps", "--save_steps", 6, ranks=1)
-    resumed = copy_checkpoint(one_rank, 6, tmp_path / "two-ranks")
-    launch("deepspeed", resumed, *ACCUMULATE, "--per_device_train_batch_size", 4, *ZERO2, "--save_strategy", "no")
-    assert_continues(one_rank, resumed, 7)
+def test_zero2_from_1_rank_resumes_on_2(accumulate_runs, on_one_rank, tmp_path):
+    """A ZeRO-2 checkpoint saved by 1 rank (checkpoint-9 above) must resume on 2 and continue the uninterrupted run's
+    losses and weights (one 1-rank run fewer than training a 1-rank reference from step 0: the 2-rank run is it)."""
+    resumed = copy_checkpoint(on_one_rank[0], 9, tmp_path / "two-ranks")
+    out = launch("deepspeed", resumed, *ACCUMULATE, "--per_device_train_batch_size", 4, *ZERO2, "--save_strategy",
+                 "no")
+    assert (out.stdout + out.stderr).count("resuming a 1-rank ZeRO checkpoint on 2 ranks (universal)") == 1
+    assert_continues(accumulate_runs / "zero2", resumed, 10)

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import PYTHON, REPO, TINY_TRAIN, free_port, run
+from conftest import PYTHON, REPO, TINY_TRAIN, free_port, run, run_many, selected
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed, pytest.mark.model_package]
 
@@ -58,15 +58,27 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def case_runs(request, tmp_path_factory):
+    """The selected cases' processes, two at a time (each ends after start-up and parsing: one core); case -> (its
+    output_dir, CompletedProcess)."""
+    root, commands, output_dirs = tmp_path_factory.mktemp("cases"), {}, {}
+    for number, case in enumerate(selected(request, "test_user_error_is_one_line_exit_2_nothing_written", "case")):
+        flags, _, env = CASES[case]
+        (root / str(number)).mkdir()
+        output_dirs[case] = root / str(number) / "out"
+        commands[case] = ([PYTHON, GLUE, "--output_dir", output_dirs[case], *FAST, *flags],
+                          {key: value.format(closed_port=free_port()) for key, value in env.items()})
+    done = run_many(commands, timeout=300)
+    return {case: (output_dirs[case], done[case]) for case in commands}
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_user_error_is_one_line_exit_2_nothing_written(tmp_path, case):
+def test_user_error_is_one_line_exit_2_nothing_written(case_runs, case):
     """Each common mistake must end in one error line and exit 2 before output_dir is created, not a traceback."""
-    flags, phrase, env = CASES[case]
-    output_dir = tmp_path / "out"
-    env = {key: value.format(closed_port=free_port()) for key, value in env.items()}
-    out = run([PYTHON, GLUE, "--output_dir", output_dir, *FAST, *flags], env=env, timeout=300)
+    output_dir, out = case_runs[case]
     assert out.returncode == 2, out.stderr[-3000:]
-    assert phrase in out.stderr and "error:" in out.stderr
+    assert CASES[case][1] in out.stderr and "error:" in out.stderr
     assert "Traceback" not in out.stderr
     assert not output_dir.exists()
 

@@ -122,23 +122,30 @@ def zero3_accumulate(tmp_path_factory):
 @pytest.mark.deepspeed
 @pytest.mark.model_package
 def test_a_finished_run_started_again_trains_nothing_and_evaluates_its_weights(zero3_accumulate, tmp_path):
-    """A scheduler re-running a finished ZeRO-3 command must train nothing, change no file, exit 0; asked to evaluate,
-    it loads the finished weights into the partitioned model and evaluates them through an engine of its own: the
-    metrics must equal one process evaluating the saved model, printed by rank 0 only."""
+    """A scheduler re-running a finished ZeRO-3 command (here asking to evaluate too) must train nothing, change no
+    file, exit 0; it loads the finished weights into the partitioned model and evaluates them through an engine of its
+    own: the metrics must equal one process evaluating the saved model, printed by rank 0 only. (The same command
+    without --do_eval trains nothing either: test_already_complete.py, ZeRO-2 and one process.)"""
+    import hashlib
     import shutil
+
+    def contents(folder):
+        return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in written}
 
     run_dir = tmp_path / "run"
     shutil.copytree(zero3_accumulate, run_dir)
+    written = {"eval_results.json", "all_results.json"}
+    before = contents(run_dir)
     flags = [*ACCUMULATE, "--per_device_train_batch_size", 4, *ZERO3, "--save_strategy", "steps", "--save_steps", 3]
     command = [BIN / "deepspeed", "--num_gpus", 2, "--master_port", free_port(), GLUE, "--output_dir", run_dir,
                *GLUE_COMMON, *flags]
-    again = run(command)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "training already complete at step 12" in again.stdout + again.stderr
     evaluating = run([*command, "--do_eval", "--max_eval_samples", 64])
     assert evaluating.returncode == 0, evaluating.stderr[-3000:]
+    assert "training already complete at step 12" in evaluating.stdout + evaluating.stderr
+    assert "resuming from" not in evaluating.stdout + evaluating.stderr
     assert evaluating.stdout.count("'eval_loss'") == 1  # the finished run's saved state names rank 0 as the main one
-    written = {"eval_results.json", "all_results.json"}
+    assert contents(run_dir) == before  # every file but the evaluation's results is byte for byte the same
     assert sorted(p.name for p in run_dir.iterdir()) == sorted([p.name for p in zero3_accumulate.iterdir()] +
                                                                [n for n in written if not (zero3_accumulate / n).exists()])
     launch("single", tmp_path / "one", "--model_name_or_path", run_dir, "--do_eval", "--max_eval_samples", 64)

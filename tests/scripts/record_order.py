@@ -14,7 +14,7 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer_ext import ExtArgumentParser, ExtTrainer, ExtTrainingArguments  # noqa: E402
+from trainer_ext import ExtArgumentParser, ExtTrainer, ExtTrainingArguments, exit_process  # noqa: E402
 
 NUM_SAMPLES = 100  # not a multiple of the global batch: epochs end mid-batch
 
@@ -70,3 +70,4 @@ train = {None: lambda: samples, "torch": lambda: RecordingStream(samples),
 trainer = ExtTrainer(model=BertForSequenceClassification(config), args=args, train_dataset=train)
 trainer.train()
 trainer.save_model()
+exit_process(0)  # as docs/operations.md advises a launched script: no teardown under gloo's threads

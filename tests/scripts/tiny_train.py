@@ -2,14 +2,16 @@
 ExtTrainingArguments, under any launcher and backend: the model for tests that must run on a GPU machine that has
 only the repository. `--model_size tiny|small` picks the shape, `--head lm` a masked-LM
 head (its decoder tied to the word embeddings) trained to repeat each token, `--report_dir` writes each rank's
-model-state bytes there (benchmarks/memory.py), `--predict` the evaluation set's logits to predictions.json; every
-other flag is an ExtTrainingArguments flag.
+model-state bytes there (benchmarks/memory.py) and the parameter bytes it held at most while building the model
+(inside `trainer_ext.sharded_loading(args)`, as a user's script), `--predict` the evaluation set's logits to
+predictions.json; every other flag is an ExtTrainingArguments flag.
 The final model, train_results.json (train_loss, ...) and trainer_state.json (per-step losses and gradient norms) go to
 output_dir.
 TINY_TRAIN_NONFINITE_STEPS="3" (or "3-": from step 3 on) makes the logits of those optimizer steps infinite, so their
 gradients hold inf/NaN: what a diverging run or a bad batch does to a real one."""
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -21,7 +23,8 @@ from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassificat
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from transformers import TrainerCallback  # noqa: E402
 
-from trainer_ext import ExtArgumentParser, ExtTrainer, ExtTrainingArguments  # noqa: E402
+from trainer_ext import (ExtArgumentParser, ExtTrainer, ExtTrainingArguments, exit_process,  # noqa: E402
+                         sharded_loading)
 
 SHAPES = {  # dropout off: every backend and precision sees the same function
     "tiny": dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
@@ -39,10 +42,15 @@ own.add_argument("--predict", action="store_true", help="predictions.json: the e
 mine, rest = own.parse_known_args()
 (args,) = ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses(rest)
 
+if mine.report_dir:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from memory import LoadPeak, ModelStateReport  # noqa: E402
+
 torch.manual_seed(0)
 shape = SHAPES[mine.model_size]
 config = BertConfig(**shape, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-model = (BertForMaskedLM if mine.head == "lm" else BertForSequenceClassification)(config)
+with LoadPeak() if mine.report_dir else contextlib.nullcontext() as peak, sharded_loading(args):  # as a user's script
+    model = (BertForMaskedLM if mine.head == "lm" else BertForSequenceClassification)(config)
 generator = torch.Generator().manual_seed(1)
 ids = torch.randint(1, shape["vocab_size"], (mine.num_samples, mine.seq_length), generator=generator)
 labels = ids if mine.head == "lm" else (ids[:, 0] > shape["vocab_size"] // 2).long()  # a signal the model can learn
@@ -70,10 +78,9 @@ class NonFiniteSteps(TrainerCallback):
 injected = os.environ.get("TINY_TRAIN_NONFINITE_STEPS")
 callbacks = [NonFiniteSteps(injected)] if injected else []
 if mine.report_dir:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from memory import ModelStateReport  # noqa: E402
-
-    callbacks.append(ModelStateReport(mine.report_dir))
+    report = ModelStateReport(mine.report_dir)
+    report.record["load_peak_params_bytes"] = peak.bytes  # the most parameter bytes this rank held while building
+    callbacks.append(report)
 trainer = ExtTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation, callbacks=callbacks or None)
 outcome = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
 trainer.save_model()
@@ -88,3 +95,4 @@ if evaluation is not None:  # every rank's final weights, evaluated together
         logits = trainer.predict(evaluation).predictions
         if trainer.is_world_process_zero():
             (Path(args.output_dir) / "predictions.json").write_text(json.dumps(logits.tolist()))
+exit_process(0)  # as docs/operations.md advises a launched script: no teardown under gloo's threads

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -199,6 +200,31 @@ class FSDPBackend(Backend):
         args.fsdp_plugin_args = None
 
     @classmethod
+    def places_model_on_device(cls, args) -> bool | None:
+        # fully_shard moves each rank's shards to the device (as transformers leaves an FSDP model where it was
+        # built); an empty model (partitioned loading) cannot be moved at all.
+        return False
+
+    @classmethod
+    @contextmanager
+    def model_sharded_context(cls, args):
+        """With `--fsdp_config cpu_ram_efficient_loading true` on N ranks, rank 0 builds and loads the model as the
+        script asks; every other rank builds it empty (torch's meta device: shapes, no data) and receives only its
+        shards from rank 0 once fully_shard has split the model (shard()). Otherwise, nothing changes."""
+        if partitioned_loading(args) and getattr(args, "place_model_on_device", None) is not False:
+            # stock TrainingArguments leave placement to transformers' Trainer, which moves the model to the device
+            # before it is sharded: an empty model cannot be moved.
+            raise ArgumentsError("--fsdp_config cpu_ram_efficient_loading needs trainer_ext's ExtTrainingArguments: "
+                                 "with stock TrainingArguments the Trainer moves the model to the device before it "
+                                 "is sharded, which the other ranks' empty models cannot be; parse the flags with "
+                                 "ExtArgumentParser(ExtTrainingArguments), or drop cpu_ram_efficient_loading")
+        if not partitioned_loading(args) or args.process_index == 0:
+            yield
+            return
+        with built_empty():
+            yield
+
+    @classmethod
     def memory_formulas(cls, mixed: bool) -> list:
         from .base import BackendFormula
 
@@ -237,9 +263,6 @@ class FSDPBackend(Backend):
             # mesh of one rank trains as one process and writes checkpoints any number of ranks resume. The flag is
             # hidden from that check; the settings select this backend.
             args.fsdp = False
-        if self.settings.cpu_ram_efficient_loading:
-            logger.warning("--fsdp_config cpu_ram_efficient_loading: not applied; every rank builds and loads the "
-                           "whole model, then keeps its shard (README, 'PyTorch FSDP2')")
 
     # -- model and optimizer ---------------------------------------------------------------------------------------
     def wrap_model(self, trainer, model):
@@ -260,7 +283,23 @@ class FSDPBackend(Backend):
     def unwrap(self, model):
         return model.module if getattr(model, "wraps_fully_sharded", False) else model
 
+    @contextmanager
+    def evaluating(self, trainer):
+        # Evaluating before training under partitioned loading: the other ranks' models are still empty, so the model
+        # is sharded (and filled from rank 0) now; training then finds it sharded.
+        if self.model is None and partitioned_loading(trainer.args):
+            self.wrap_model(trainer, trainer.model)
+        try:
+            yield None
+        finally:
+            if self.model is not None:
+                reshard(self.model)
+
     def build_optimizer(self, trainer, param_groups, optimizer_cls, kwargs):
+        from torch.distributed.tensor import DTensor
+
+        if not all(isinstance(p, DTensor) for group in param_groups for p in group["params"]):
+            raise RuntimeError("FSDP2: the optimizer would step gathered parameters, not the shards fully_shard made")
         self.optimizer = optimizer_cls(param_groups, **kwargs)
         self.optimizer_file = OptimizerFile(self.optimizer)
         return self.optimizer
@@ -332,13 +371,19 @@ class FSDPBackend(Backend):
     def settings_lines(self) -> list[str]:
         if self.settings is None:
             return []
-        lines = [f"fully_shard {json.dumps(asdict(self.settings))}"]
+        import torch.distributed as dist
+
+        # the mesh is this device type's; its collectives run on the process group accelerate made (nccl, gloo)
+        group = f" (process group: {dist.get_backend()})" if dist.is_initialized() else ""
+        lines = [f"fully_shard on a {self.args.device.type} mesh of {self.args.world_size} rank(s){group} "
+                 f"{json.dumps(asdict(self.settings))}"]
         compute = "bf16" if getattr(self.args, "bf16", False) else "fp16" if getattr(self.args, "fp16", False) else None
         if compute:  # what MixedPrecisionPolicy does (shard): users check that the upcast is applied
             lines.append(f"mixed precision: {compute} parameters gathered for forward and backward, gradients reduced "
                          "in fp32, the fp32 shards (master weights) stepped and saved")
-        if self.settings.cpu_ram_efficient_loading:
-            lines.append("note: cpu_ram_efficient_loading is not applied (every rank loads the whole model)")
+        if partitioned_loading(self.args):
+            lines.append("partitioned loading (cpu_ram_efficient_loading): rank 0 loads the model, the other ranks "
+                         "build it empty and receive only their shards from rank 0 after fully_shard")
         return lines
 
     def save_settings(self, output_dir) -> None:
@@ -347,25 +392,94 @@ class FSDPBackend(Backend):
             path.write_text(json.dumps(asdict(self.settings), indent=2) + "\n")
 
 
+def reshard(model) -> None:
+    """Every group back to its shards. Under shard_grad_op a forward without backward (evaluation) leaves the gathered
+    parameters registered on the modules: an optimizer built then would step copies FSDP frees, and they would hold
+    the whole model's memory until the next backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def partitioned_loading(args) -> bool:
+    """Whether rank 0 alone loads the model (cpu_ram_efficient_loading on more than one rank)."""
+    settings = getattr(args, "fsdp_settings", None)
+    if settings is None and FSDPBackend.selected(args):  # stock TrainingArguments
+        settings = resolve_settings(args.fsdp, args.fsdp_config)[0]
+    return settings is not None and settings.cpu_ram_efficient_loading and args.world_size > 1
+
+
+@contextmanager
+def built_empty():
+    """Models built in this block hold no data (torch's meta device): a model class called directly or from_config
+    through torch's default device, from_pretrained through `device_map="meta"` (transformers refuses the default
+    device there), which reads each tensor and keeps none."""
+    import torch
+    from transformers import PreTrainedModel
+
+    loader = PreTrainedModel.__dict__["from_pretrained"]
+
+    def from_pretrained(model_class, *args, **kwargs):
+        model = loader.__func__(model_class, *args, **{**kwargs, "device_map": "meta"})
+        # the map is ours, not the user's: transformers' Trainer would take the model as placed by hand
+        model.__dict__.pop("hf_device_map", None)
+        return model
+
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        PreTrainedModel.from_pretrained = loader
+
+
+def sharding_choices(device_type: str, bf16: bool, fp16: bool, offload: bool) -> dict:
+    """What fully_shard is given on this device, by name (pure, so each choice is pinned by a unit test): the mesh's
+    device type (the rank's own: cuda on GPUs, cpu on CPU ranks), MixedPrecisionPolicy's dtypes and the offload
+    policy."""
+    compute = "bfloat16" if bf16 else "float16" if fp16 else None
+    return {
+        "mesh_device_type": device_type,
+        # 16-bit copies for forward and backward, fp32 shards (the master weights), gradients reduced in fp32.
+        "param_dtype": compute,
+        "reduce_dtype": "float32" if compute else None,
+        "offload_policy": "CPUOffloadPolicy" if offload else "OffloadPolicy",
+    }
+
+
 def shard(model, settings: FSDPSettings, args) -> None:
     """fully_shard on each wrap unit (transformer layers, or modules of at least min_num_params), then on the model
-    itself, which keeps every parameter left over; on a mesh of all ranks of this device type (gloo on CPU)."""
+    itself, which keeps every parameter left over; on a mesh of all ranks of this device type (gloo on CPU). Under
+    partitioned loading the other ranks' empty models are then filled from rank 0's, shard by shard."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(args.device.type, (args.world_size,))
-    compute = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-    # 16-bit copies for forward and backward, fp32 shards (the master weights), gradients reduced in fp32.
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
+    choices = sharding_choices(args.device.type, args.bf16, args.fp16, settings.offload)
+    mesh = init_device_mesh(choices["mesh_device_type"], (args.world_size,))
+    policy = MixedPrecisionPolicy(**{key: getattr(torch, choices[key]) if choices[key] else None
+                                     for key in ("param_dtype", "reduce_dtype")})
     options = dict(mesh=mesh, reshard_after_forward=settings.reshard_after_forward, mp_policy=policy,
-                   offload_policy=CPUOffloadPolicy() if settings.offload else OffloadPolicy())
-    if settings.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-        # transformers' own: each layer recomputed in backward, parameter names unchanged
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                   offload_policy=CPUOffloadPolicy() if choices["offload_policy"] == "CPUOffloadPolicy"
+                   else OffloadPolicy())
+    if settings.activation_checkpointing:
+        # transformers' own: each layer recomputed in backward, parameter names unchanged (named activation_
+        # checkpointing from transformers 5.23, gradient_checkpointing before)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        elif hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    partitioned = partitioned_loading(args)
+    # Rank 0's whole model, referenced before fully_shard frees it (rank 0 holds it and its shards until filled).
+    whole = {**model.state_dict(), **non_persistent_buffers(model)} if partitioned and args.process_index == 0 \
+        else None
     for module in wrap_units(model, settings):
         fully_shard(module, **options)
     fully_shard(model, **options)
+    if partitioned:
+        fill_from_rank0(model, whole, args.device, args.process_index)
     if hasattr(model, "generate"):
         from torch.distributed.fsdp import register_fsdp_forward_method
 
@@ -375,12 +489,52 @@ def shard(model, settings: FSDPSettings, args) -> None:
         model._is_fsdp_managed_module = True
 
 
+def fill_from_rank0(model, whole: dict | None, device, rank: int) -> None:
+    """Partitioned loading's second half, on every rank once fully_shard has split the model: the other ranks allocate
+    their shards (empty), then rank 0 broadcasts its tensors one at a time and each rank copies in its slice; buffers
+    outside the state dict (non-persistent ones, as BERT's position_ids) whole. A rank holds its shards plus one whole
+    tensor at a time (as torch's set_model_state_dict(broadcast_from_rank0) and accelerate's FSDP2 loading do)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if rank != 0:
+        if rank == 1 and any(not p.is_meta for p in model.parameters()):
+            logger.warning("--fsdp_config cpu_ram_efficient_loading: rank 1 built the model whole; build it inside "
+                           "`with trainer_ext.sharded_loading(args):` so that only rank 0 loads it")
+        model.to_empty(device=device)  # this rank's shards only; a tied parameter stays one tensor
+    with torch.no_grad():
+        for name, target in {**model.state_dict(), **non_persistent_buffers(model)}.items():
+            if rank == 0:
+                received = whole[name].detach().to(device).contiguous()
+            else:
+                received = torch.empty(target.shape, dtype=target.dtype, device=device)
+            dist.broadcast(received, src=0)
+            if rank == 0:  # its shards were cut from these very tensors
+                continue
+            if isinstance(target, DTensor):  # this rank's slice, as fully_shard cut it
+                received = distribute_tensor(received, target.device_mesh, target.placements,
+                                             src_data_rank=None).to_local()
+                target = target.to_local()
+            target.copy_(received)
+
+
+def non_persistent_buffers(model) -> dict:
+    """Buffers a module keeps out of its state dict, by their full names."""
+    return {f"{prefix}.{name}" if prefix else name: buffer for prefix, module in model.named_modules()
+            for name, buffer in module.named_buffers(recurse=False) if name in module._non_persistent_buffers_set}
+
+
 def wrap_units(model, settings: FSDPSettings) -> list:
     """The submodules sharded on their own, innermost first. A module holding a parameter it shares with another
     module (tied embeddings) stays in the model's own group."""
     from collections import Counter
 
-    modules = [(name, module) for name, module in model.named_modules() if module is not model]
+    import torch
+
+    # containers (ModuleList, ModuleDict) run no forward of their own, so fully_shard cannot hook them
+    modules = [(name, module) for name, module in model.named_modules()
+               if module is not model and type(module).forward is not torch.nn.Module.forward]
     if settings.auto_wrap_policy == "NO_WRAP":
         return []
     uses = Counter(id(p) for _, m in model.named_modules(remove_duplicate=False)

@@ -29,6 +29,23 @@ FLAG_DEFAULTS: dict[str, Any] = {
     "warmup_ratio": 0.0,
 }
 
+# DeepSpeed field -> the flag that fills it (transformers' fill_match lines): a file value beats a flag the user did not
+# give and is written back onto it; a given flag that disagrees is a conflict. Two flags: one per element (betas) or
+# either spelling (warmup), read by their own passes.
+FIELD_FLAGS: dict[str, str | tuple[str, str]] = {
+    "fp16.enabled": "fp16",
+    "bf16.enabled": "bf16",
+    "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "max_grad_norm",
+    "optimizer.params.lr": "learning_rate",
+    "optimizer.params.betas": ("adam_beta1", "adam_beta2"),
+    "optimizer.params.eps": "adam_epsilon",
+    "optimizer.params.weight_decay": "weight_decay",
+    "scheduler.params.warmup_max_lr": "learning_rate",
+    "scheduler.params.warmup_num_steps": ("warmup_steps", "warmup_ratio"),
+}
+
 # Every top-level key DeepSpeed 0.19 reads (a test records the keys DeepSpeedConfig looks up and checks this).
 KNOWN_TOP_LEVEL_KEYS = frozenset({
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
