@@ -90,13 +90,20 @@ def test_the_units_sharded_on_their_own():
         wrap_units(model, FSDPSettings(layer_classes=("BertBlock",)))
 
 
+@pytest.fixture
+def as_launched_rank(monkeypatch):
+    """The variables a launcher's rank has: sharded_loading's prepare_process then forms no 1-rank group here."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+
 def loading_args(rank, world_size=2, efficient=True, place_model_on_device=False):
     """Arguments as ExtTrainingArguments hold them (the FSDP backend leaves the model where it was built)."""
     return SimpleNamespace(fsdp="full_shard", fsdp_config={"cpu_ram_efficient_loading": efficient}, fsdp_settings=None,
                            process_index=rank, world_size=world_size, place_model_on_device=place_model_on_device)
 
 
-def test_sharded_loading_builds_the_model_empty_on_ranks_after_the_first(tmp_path):
+def test_sharded_loading_builds_the_model_empty_on_ranks_after_the_first(tmp_path, as_launched_rank):
     """Partitioned loading: a rank after the first would hold the whole model while loading (a class called directly,
     from_config or from_pretrained), lose a tied weight, leave a device map that makes transformers' Trainer take the
     model for model-parallel, or leave torch's default device or from_pretrained changed; rank 0, one process and runs
@@ -122,7 +129,7 @@ def test_sharded_loading_builds_the_model_empty_on_ranks_after_the_first(tmp_pat
     assert FSDPBackend.places_model_on_device(loading_args(rank=1)) is False  # an empty model cannot be moved
 
 
-def test_partitioned_loading_with_stock_arguments_is_one_line(tmp_path):
+def test_partitioned_loading_with_stock_arguments_is_one_line(tmp_path, as_launched_rank):
     """Stock TrainingArguments leave placement to transformers' Trainer (their place_model_on_device is None), which
     would move rank 1's empty model to the device and fail deep inside torch ("Cannot copy out of meta tensor")."""
     from transformers import TrainingArguments
