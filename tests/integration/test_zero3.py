@@ -344,13 +344,15 @@ def test_loading_under_zero3_holds_about_1_over_n_and_the_planner_predicts_the_s
 @pytest.mark.model_package
 def test_zero3_offload_tied_weights_and_the_planner(tmp_path):
     """zero3_offload (parameters and optimizer in CPU memory) must train, save a model whose tied decoder and word
-    embeddings are still one tensor after from_pretrained in one CPU process, and hold what the planner predicts."""
+    embeddings are still one tensor after from_pretrained in one CPU process, and hold what the planner predicts;
+    the model is built as a stock script builds it (from_config, no sharded_loading): transformers' zero.Init must
+    see the 2-rank group, not fail its batch check as 1 rank."""
     from trainer_ext.planner import ModelSize, plan
 
     output = tmp_path / "lm"
     launch("deepspeed", output, "--model_size", "small", "--head", "lm", "--report_dir", tmp_path / "report",
            "--max_steps", 3, "--per_device_train_batch_size", 4, "--save_strategy", "no", "--deepspeed",
-           "zero3_offload", script=TINY_TRAIN)
+           "zero3_offload", "--plain_loading", script=TINY_TRAIN)
     reports = model_state_reports(tmp_path / "report")
     psi = reports[0]["num_parameters"]
     predicted = next(e for e in plan(ModelSize(psi, "run"), 2, "fp32", offload=True).estimates

@@ -4,7 +4,8 @@ only the repository. `--model_size tiny|small` picks the shape, `--head lm` a ma
 head (its decoder tied to the word embeddings) trained to repeat each token, `--report_dir` writes each rank's
 model-state bytes there (benchmarks/memory.py) and the parameter bytes it held at most while building the model
 (inside `trainer_ext.sharded_loading(args)`, as a user's script), `--predict` the evaluation set's logits to
-predictions.json; every other flag is an ExtTrainingArguments flag.
+predictions.json, `--plain_loading` builds it through from_config without sharded_loading (a stock script);
+every other flag is an ExtTrainingArguments flag.
 The final model, train_results.json (train_loss, ...) and trainer_state.json (per-step losses and gradient norms) go to
 output_dir.
 TINY_TRAIN_NONFINITE_STEPS="3" (or "3-": from step 3 on) makes the logits of those optimizer steps infinite, so their
@@ -18,7 +19,8 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
+from transformers import (AutoModelForMaskedLM, AutoModelForSequenceClassification, BertConfig, BertForMaskedLM,
+                          BertForSequenceClassification)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from transformers import TrainerCallback  # noqa: E402
@@ -39,6 +41,8 @@ own.add_argument("--head", choices=("classification", "lm"), default="classifica
 own.add_argument("--report_dir")
 own.add_argument("--eval_samples", type=int, default=0, help="an evaluation set of this many other samples")
 own.add_argument("--predict", action="store_true", help="predictions.json: the evaluation set's logits")
+own.add_argument("--plain_loading", action="store_true",
+                 help="build through from_config outside sharded_loading, as a stock Trainer script does")
 mine, rest = own.parse_known_args()
 (args,) = ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses(rest)
 
@@ -49,8 +53,11 @@ if mine.report_dir:
 torch.manual_seed(0)
 shape = SHAPES[mine.model_size]
 config = BertConfig(**shape, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-with LoadPeak() if mine.report_dir else contextlib.nullcontext() as peak, sharded_loading(args):  # as a user's script
-    model = (BertForMaskedLM if mine.head == "lm" else BertForSequenceClassification)(config)
+model_class = BertForMaskedLM if mine.head == "lm" else BertForSequenceClassification
+auto_class = AutoModelForMaskedLM if mine.head == "lm" else AutoModelForSequenceClassification
+with LoadPeak() if mine.report_dir else contextlib.nullcontext() as peak, \
+        contextlib.nullcontext() if mine.plain_loading else sharded_loading(args):  # as a user's script
+    model = auto_class.from_config(config) if mine.plain_loading else model_class(config)
 generator = torch.Generator().manual_seed(1)
 ids = torch.randint(1, shape["vocab_size"], (mine.num_samples, mine.seq_length), generator=generator)
 labels = ids if mine.head == "lm" else (ids[:, 0] > shape["vocab_size"] // 2).long()  # a signal the model can learn

@@ -68,7 +68,7 @@ class Backend:
     @classmethod
     def arguments_ready(cls, args) -> None:
         """The last step of ExtTrainingArguments, once transformers set the arguments up: values transformers must
-        not act on (written onto `args`)."""
+        not act on (written onto `args`); DeepSpeed under ZeRO-3 also joins a group transformers formed, as on GPUs."""
 
     @classmethod
     def prepare_process(cls, args) -> None:

@@ -56,6 +56,19 @@ class DeepSpeedBackend(Backend):
         apply_resolution(args, resolve_deepspeed_config(args, args.deepspeed, final=False, cpu_ranks=cpu_ranks(args)))
 
     @classmethod
+    def arguments_ready(cls, args) -> None:
+        """Under a launcher transformers' device set-up has just formed the process group; on GPUs it also has
+        DeepSpeed join it, on CPU ranks not. Under ZeRO-3 join it here too, as stock does on GPUs: a model the script
+        loads before ExtTrainer is built inside zero.Init, which checks the batch fields against DeepSpeed's view of the
+        group (without it, "train_batch_size ... 4 != 2 * 1 * 1"). Without a launcher there is no group: nothing."""
+        import torch.distributed
+
+        if zero_stage(args.deepspeed_resolution) == 3 and torch.distributed.is_initialized():
+            import deepspeed
+
+            deepspeed.init_distributed()
+
+    @classmethod
     def prepare_process(cls, args) -> None:
         """Before DeepSpeed loads an op: no stale build locks or shared-memory buffers of killed jobs, and a
         TORCH_CUDA_ARCH_LIST its op builder can read. Under ZeRO-3 transformers builds every model loaded from now on
