@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, PYTHON, REPO, free_port, run
+from conftest import BIN, PYTHON, REPO, free_port, run, run_many, selected
 from trainer_ext import ArgumentsError, ExtTrainingArguments
 from trainer_ext import ExtArgumentParser
 from trainer_ext.backends.fairscale import parse_options as parse_sharded_ddp
@@ -110,6 +110,17 @@ def test_a_parse_that_passes_every_field_keeps_the_differs_from_default_rule(tmp
     assert ExtTrainingArguments(output_dir=str(tmp_path)).flags_given == {"output_dir"}
 
 
+@pytest.fixture(scope="module")
+def parse_failures(request, tmp_path_factory):
+    """parse_args.py on the selected cases of the two tests below, two at a time (each ends after parsing: one core):
+    " ".join(argv) -> CompletedProcess."""
+    root = tmp_path_factory.mktemp("parse")
+    cases = [*selected(request, "test_bad_flags_fail_at_parsing_with_exit_2", "argv"),
+             *selected(request, "test_fp16_without_cuda_fails_before_work_suggesting_bf16", "argv")]
+    return run_many({" ".join(argv): ([PYTHON, SCRIPT, "--output_dir", root / str(number), *argv], None)
+                     for number, argv in enumerate(cases)})
+
+
 @pytest.mark.deepspeed
 @pytest.mark.launch
 @pytest.mark.parametrize("argv,message", [
@@ -120,9 +131,9 @@ def test_a_parse_that_passes_every_field_keeps_the_differs_from_default_rule(tmp
     (["--deepspeed", '{"zero_optimisation": {"stage": 2}}'], "did you mean 'zero_optimization'?"),
     (["--deepspeed", "zero2", "--learning_rate", "1e-4"], "--learning_rate 0.0001"),
 ])
-def test_bad_flags_fail_at_parsing_with_exit_2(tmp_path, argv, message):
+def test_bad_flags_fail_at_parsing_with_exit_2(parse_failures, argv, message):
     """Bad flags must stop the script before any work, with the option named."""
-    out = run([PYTHON, SCRIPT, "--output_dir", tmp_path, *argv])
+    out = parse_failures[" ".join(argv)]
     assert out.returncode == 2, out.stdout + out.stderr
     assert message in out.stderr
     assert "ARGS" not in out.stdout
@@ -136,13 +147,14 @@ def test_classic_config_values_reach_the_arguments(tmp_path):
     classic["fp16"]["enabled"] = "auto"
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(classic))
-    run([PYTHON, SCRIPT, "--output_dir", tmp_path / "a", "--deepspeed", path])
+    inline = json.dumps({"zero_optimization": {"stage": 2}, "train_batch_size": "auto"})
+    run_many({"a": ([PYTHON, SCRIPT, "--output_dir", tmp_path / "a", "--deepspeed", path], None),
+              "b": ([PYTHON, SCRIPT, "--output_dir", tmp_path / "b", "--deepspeed", inline,
+                     "--per_device_train_batch_size", "3"], None)})
     args = parsed(tmp_path / "a")[0]
     assert (args["fp16"], args["learning_rate"], args["adam_beta1"], args["weight_decay"],
             args["warmup_steps"]) == (False, 3e-5, 0.8, 3e-7, 500)
     assert args["deepspeed"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
-    inline = json.dumps({"zero_optimization": {"stage": 2}, "train_batch_size": "auto"})
-    run([PYTHON, SCRIPT, "--output_dir", tmp_path / "b", "--deepspeed", inline, "--per_device_train_batch_size", "3"])
     args = parsed(tmp_path / "b")[0]
     assert args["deepspeed"]["train_batch_size"] == 3
 
@@ -152,9 +164,9 @@ def test_classic_config_values_reach_the_arguments(tmp_path):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the machine without CUDA")
 @pytest.mark.parametrize("argv,extra", [(["--fp16"], None),
                                         (["--deepspeed", "zero2"], "the DeepSpeed file's fp16.enabled")])
-def test_fp16_without_cuda_fails_before_work_suggesting_bf16(tmp_path, argv, extra):
+def test_fp16_without_cuda_fails_before_work_suggesting_bf16(parse_failures, argv, extra):
     """fp16 on a CPU machine would crash deep inside training; say so at parse time and name the way out."""
-    out = run([PYTHON, SCRIPT, "--output_dir", tmp_path, *argv])
+    out = parse_failures[" ".join(argv)]
     assert out.returncode == 2 and "ARGS" not in out.stdout
     assert "fp16 needs a CUDA device" in out.stderr and "--bf16" in out.stderr
     if extra:

@@ -4,16 +4,63 @@ import json
 
 import pytest
 
-from conftest import BIN, run
+from conftest import BIN, run_many
 
 CLI = BIN / "trainer-ext"
 
 
+# Each test's `trainer-ext` commands (after the program's name), by key: the selected tests' commands all run in one
+# fixture, two at a time (each ends after start-up and parsing: one core). BAD_FILE: a file holding cut JSON.
+BAD_FILE = "{bad.json}"
+COMMANDS = {
+    "test_prints_complete_config_for_target_cluster": {
+        "cluster": ["ds-config", "--deepspeed", "ds_configs/zero2.json", "--world_size", "8", "--num_training_steps",
+                    "1000", "--per_device_train_batch_size", "4"]},
+    "test_fp16_renders_on_a_cpu_only_machine": {
+        "fp16": ["ds-config", "--deepspeed", "zero2_minimal", "--fp16", "--world_size", "16", "--max_steps", "5000",
+                 "--warmup_ratio", "0.1"]},
+    "test_explain_names_the_source_of_each_field": {
+        "explain conflict": ["ds-config", "--deepspeed", "zero2", "--bf16", "--world_size", "2",
+                             "--num_training_steps", "10", "--explain"],
+        "explain zero2": ["ds-config", "--deepspeed", "zero2", "--per_device_train_batch_size", "4", "--world_size",
+                          "2", "--num_training_steps", "10", "--explain"],
+        "explain minimal": ["ds-config", "--deepspeed", "zero2_minimal", "--world_size", "2", "--num_training_steps",
+                            "10", "--explain"]},
+    "test_bad_input_exits_2_with_message_on_stderr": {
+        "line 1, column": ["ds-config", "--deepspeed", BAD_FILE],
+        "--learning_rate 0.001": ["ds-config", "--deepspeed", "zero2", "--learning_rate", "1e-3", "--world_size", "2",
+                                  "--num_training_steps", "9"],
+        "did you mean --learning_rate?": ["ds-config", "--deepspeed", "zero2_minimal", "--learning_rat", "1e-3"],
+        "presets": ["ds-config", "--deepspeed", "nope"],
+        "--num_training_steps": ["ds-config", "--deepspeed", "zero2_minimal", "--warmup_steps", "10"],
+        "--fp16_backend apex": ["ds-config", "--deepspeed", "zero2_minimal", "--fp16_backend", "apex", "--fp16"]},
+    "test_flags_training_refuses_are_refused": {
+        " ".join(argv): ["ds-config", "--deepspeed", "zero2_minimal", "--num_training_steps", "10", *argv]
+        for argv in (["--world_size", "0"], ["--world_size", "-3"], ["--sharded_ddp", "simple"])},
+    "test_every_refused_flag_is_one_line": {
+        "refused": ["ds-config", "--deepspeed", "zero2_minimal", "--world_size", "0", "--learning_rate", "-1",
+                    "--sharded_ddp", "simple"]},
+    "test_a_flag_typed_at_its_default_conflicts_with_the_file": {
+        "typed default": ["ds-config", "--deepspeed", "zero2", "--learning_rate", "5e-5", "--world_size", "2",
+                          "--num_training_steps", "10"]},
+    "test_unknown_command_suggests_the_closest": {"ds-conifg": ["ds-conifg"]},
+}
+
+
+@pytest.fixture(scope="module")
+def ran(request, tmp_path_factory):
+    """key -> CompletedProcess of the COMMANDS of this module's selected tests."""
+    bad = tmp_path_factory.mktemp("cli") / "bad.json"
+    bad.write_text('{"zero_optimization": {"stage": 2}')
+    names = {item.originalname for item in request.session.items if item.module is request.module}
+    return run_many({key: ([CLI, *[bad if word == BAD_FILE else word for word in argv]], None)
+                     for name in sorted(names & set(COMMANDS)) for key, argv in COMMANDS[name].items()})
+
+
 @pytest.mark.launch
-def test_prints_complete_config_for_target_cluster():
+def test_prints_complete_config_for_target_cluster(ran):
     """ds-config on a login node must print the whole config the 8-rank cluster will run, no "auto" left."""
-    out = run([CLI, "ds-config", "--deepspeed", "ds_configs/zero2.json", "--world_size", "8",
-               "--num_training_steps", "1000", "--per_device_train_batch_size", "4"])
+    out = ran["cluster"]
     assert out.returncode == 0, out.stderr
     config = json.loads(out.stdout)
     assert config["train_batch_size"] == 32 and config["fp16"]["enabled"] is True
@@ -21,10 +68,9 @@ def test_prints_complete_config_for_target_cluster():
 
 
 @pytest.mark.launch
-def test_fp16_renders_on_a_cpu_only_machine():
+def test_fp16_renders_on_a_cpu_only_machine(ran):
     """Rendering for a GPU cluster from a CPU login node must not need the cluster's devices."""
-    out = run([CLI, "ds-config", "--deepspeed", "zero2_minimal", "--fp16", "--world_size", "16",
-               "--max_steps", "5000", "--warmup_ratio", "0.1"])
+    out = ran["fp16"]
     assert out.returncode == 0, out.stderr
     config = json.loads(out.stdout)
     assert config["fp16"]["enabled"] is True and config["train_batch_size"] == 128
@@ -32,13 +78,10 @@ def test_fp16_renders_on_a_cpu_only_machine():
 
 
 @pytest.mark.launch
-def test_explain_names_the_source_of_each_field():
+def test_explain_names_the_source_of_each_field(ran):
     """--explain must say where each value came from (file, flag, default, derived), or a surprise cannot be traced."""
-    out = run([CLI, "ds-config", "--deepspeed", "zero2", "--bf16", "--world_size", "2", "--num_training_steps", "10",
-               "--explain"])
-    assert out.returncode == 2  # the classic file enables fp16, --bf16 conflicts
-    out = run([CLI, "ds-config", "--deepspeed", "zero2", "--per_device_train_batch_size", "4", "--world_size", "2",
-               "--num_training_steps", "10", "--explain"])
+    assert ran["explain conflict"].returncode == 2  # the classic file enables fp16, --bf16 conflicts
+    out = ran["explain zero2"]
     assert out.returncode == 0, out.stderr
     lines = {line.split()[0]: line for line in out.stdout.splitlines() if line and not line.startswith(("note", "flags"))}
     assert "file" in lines["optimizer.params.lr"] and "--learning_rate" in lines["optimizer.params.lr"]
@@ -48,29 +91,18 @@ def test_explain_names_the_source_of_each_field():
     assert "file (--fp16 left at default" in lines["fp16.enabled"] and "default --bf16" in lines["bf16.enabled"]
     assert "note: legacy zero_optimization.cpu_offload" in out.stdout
     assert "--learning_rate 3e-05" in out.stdout  # flags taken from the file
-    out = run([CLI, "ds-config", "--deepspeed", "zero2_minimal", "--world_size", "2", "--num_training_steps", "10",
-               "--explain"])
+    out = ran["explain minimal"]
     lines = {line.split()[0]: line for line in out.stdout.splitlines() if line and not line.startswith(("note", "flags"))}
     assert "default --fp16" in lines["fp16.enabled"], lines["fp16.enabled"]  # it said "file" for a file without fp16
 
 
 @pytest.mark.launch
-def test_bad_input_exits_2_with_message_on_stderr(tmp_path):
+def test_bad_input_exits_2_with_message_on_stderr(ran):
     """`ds-config > ds.json` with bad input must leave stdout empty and say why on stderr, with exit status 2."""
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"zero_optimization": {"stage": 2}')
-    for argv, expected in [
-        (["--deepspeed", str(bad)], "line 1, column"),
-        (["--deepspeed", "zero2", "--learning_rate", "1e-3", "--world_size", "2", "--num_training_steps", "9"],
-         "--learning_rate 0.001"),
-        (["--deepspeed", "zero2_minimal", "--learning_rat", "1e-3"], "did you mean --learning_rate?"),
-        (["--deepspeed", "nope"], "presets"),
-        (["--deepspeed", "zero2_minimal", "--warmup_steps", "10"], "--num_training_steps"),
-        (["--deepspeed", "zero2_minimal", "--fp16_backend", "apex", "--fp16"], "--fp16_backend apex"),
-    ]:
-        out = run([CLI, "ds-config", *argv])
-        assert out.returncode == 2, (argv, out.stdout)
-        assert expected in out.stderr, (argv, out.stderr)
+    for expected in COMMANDS["test_bad_input_exits_2_with_message_on_stderr"]:  # each key is what stderr must hold
+        out = ran[expected]
+        assert out.returncode == 2, (out.args, out.stdout)
+        assert expected in out.stderr, (out.args, out.stderr)
         assert out.stdout == ""
 
 
@@ -80,18 +112,17 @@ def test_bad_input_exits_2_with_message_on_stderr(tmp_path):
     (["--world_size", "-3"], "--world_size -3: must be at least 1"),
     (["--sharded_ddp", "simple"], "--sharded_ddp simple and --deepspeed both choose a backend"),
 ])
-def test_flags_training_refuses_are_refused(argv, expected):
+def test_flags_training_refuses_are_refused(ran, argv, expected):
     """ds-config printed train_batch_size 0 / -24, or a config for two backends, where training stops with exit 2."""
-    out = run([CLI, "ds-config", "--deepspeed", "zero2_minimal", "--num_training_steps", "10", *argv])
+    out = ran[" ".join(argv)]
     assert out.returncode == 2 and out.stdout == "", out.stdout
     assert expected in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.launch
-def test_every_refused_flag_is_one_line():
+def test_every_refused_flag_is_one_line(ran):
     """One problem per run would cost a relaunch per flag."""
-    out = run([CLI, "ds-config", "--deepspeed", "zero2_minimal", "--world_size", "0", "--learning_rate", "-1",
-               "--sharded_ddp", "simple"])
+    out = ran["refused"]
     assert out.returncode == 2
     lines = out.stderr.splitlines()
     for expected in ("--world_size 0", "--learning_rate -1.0: must be >= 0", "--sharded_ddp simple and --deepspeed"):
@@ -99,18 +130,17 @@ def test_every_refused_flag_is_one_line():
 
 
 @pytest.mark.launch
-def test_a_flag_typed_at_its_default_conflicts_with_the_file():
+def test_a_flag_typed_at_its_default_conflicts_with_the_file(ran):
     """ds-config must render what training would run: a typed --learning_rate 5e-5 is not the file's 3e-5."""
-    out = run([CLI, "ds-config", "--deepspeed", "zero2", "--learning_rate", "5e-5", "--world_size", "2",
-               "--num_training_steps", "10"])
+    out = ran["typed default"]
     assert out.returncode == 2 and out.stdout == ""
     assert "optimizer.params.lr=3e-05 in the file disagrees with --learning_rate 5e-05" in out.stderr
 
 
 @pytest.mark.launch
-def test_unknown_command_suggests_the_closest():
+def test_unknown_command_suggests_the_closest(ran):
     """A mistyped subcommand (ds-conifg) must exit 2 suggesting the right one."""
-    out = run([CLI, "ds-conifg"])
+    out = ran["ds-conifg"]
     assert out.returncode == 2 and "ds-config" in out.stderr
 
 

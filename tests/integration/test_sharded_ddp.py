@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import (ACCUMULATE, PLAIN, PYTHON, REPO, STEPS, TINY_TRAIN, assert_same_training, free_port, launch,
-                      logged, max_weight_difference, run)
+                      logged, max_weight_difference, run, run_many, selected)
 from trainer_ext.backends.fairscale import check_machine as check_sharded_ddp_machine
 from trainer_ext.errors import ArgumentsError
 
@@ -110,21 +110,31 @@ def test_optimizer_state_per_rank_is_one_over_n(tmp_path):
 def test_simple_under_bf16_runs_the_forward_in_bf16_like_ddp(tmp_path):
     """`simple` wraps the model itself, so accelerate never adds autocast: its --bf16/--fp16 forward ran in fp32
     (0.17x the plain run's speed under fp16 on an H100). It must train as DDP does in the same precision."""
-    flags = ["--max_steps", 6, "--per_device_train_batch_size", 8, "--learning_rate", "1e-2", "--save_strategy", "no",
-             "--use_cpu"]
-    launch("torchrun", tmp_path / "ddp_bf16", *flags, "--bf16", script=TINY_TRAIN)
-    launch("launch", tmp_path / "simple_bf16", *flags, "--bf16", "--sharded_ddp", "simple", script=TINY_TRAIN)
-    launch("torchrun", tmp_path / "ddp_fp32", *flags, script=TINY_TRAIN)
-    bf16, simple, fp32 = (logged(tmp_path / name) for name in ("ddp_bf16", "simple_bf16", "ddp_fp32"))
+    flags = ["--max_steps", 6, "--learning_rate", "1e-2", "--save_strategy", "no", "--use_cpu"]
+    launch("torchrun", tmp_path / "ddp_bf16", *flags, "--per_device_train_batch_size", 8, "--bf16", script=TINY_TRAIN)
+    launch("launch", tmp_path / "simple_bf16", *flags, "--per_device_train_batch_size", 8, "--bf16", "--sharded_ddp",
+           "simple", script=TINY_TRAIN)
+    # fp32 in one process on the same global batch: the precision reference, one process instead of a launch
+    launch("single", tmp_path / "fp32", *flags, "--per_device_train_batch_size", 16, script=TINY_TRAIN)
+    bf16, simple, fp32 = (logged(tmp_path / name) for name in ("ddp_bf16", "simple_bf16", "fp32"))
     assert max(abs(bf16[s] - simple[s]) for s in bf16) < 1e-5
     assert max(abs(bf16[s] - fp32[s]) for s in bf16) > 1e-4  # the precision is visible in the losses
 
 
+@pytest.fixture(scope="module")
+def parsed_without_cuda(request, tmp_path_factory):
+    """parse_args.py with the selected options below, two at a time (each ends after parsing: one core)."""
+    root = tmp_path_factory.mktemp("fully-sharded")
+    cases = selected(request, "test_fully_sharded_options_fail_early_without_cuda", "options")
+    return run_many({" ".join(options): ([PYTHON, SCRIPT, "--output_dir", root / str(number), "--sharded_ddp",
+                                          *options], None) for number, options in enumerate(cases)})
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 @pytest.mark.parametrize("options", [["zero_dp_2"], ["zero_dp_3"], ["zero_dp_3", "offload"]])
-def test_fully_sharded_options_fail_early_without_cuda(tmp_path, options):
+def test_fully_sharded_options_fail_early_without_cuda(parsed_without_cuda, options):
     """zero_dp_2/zero_dp_3 on a CPU machine must exit 2 at parse time pointing to --sharded_ddp simple."""
-    out = run([PYTHON, SCRIPT, "--output_dir", tmp_path, "--sharded_ddp", *options])
+    out = parsed_without_cuda[" ".join(options)]
     assert out.returncode == 2 and "ARGS" not in out.stdout
     assert f"--sharded_ddp {' '.join(options)}" in out.stderr and "use --sharded_ddp simple" in out.stderr
 
