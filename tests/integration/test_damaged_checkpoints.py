@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
 LAUNCHERS = {
     "single": lambda: [PYTHON],
     "ddp": lambda: [BIN / "torchrun", "--nproc_per_node", 2, "--master_port", free_port()],
-    "zero2": lambda: [BIN / "deepspeed", "--num_gpus", 2, "--master_port", free_port()],
+    # torchrun with --deepspeed: the checkpoint is the point, not the launcher (~3 s of CPU less per run)
+    "zero2": lambda: [BIN / "torchrun", "--nproc_per_node", 2, "--master_port", free_port()],
     "simple": lambda: [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", 2, "--master_port", free_port()],
 }
 BACKEND_FLAGS = {"single": [], "ddp": [], "zero2": ["--deepspeed", "zero2_minimal"], "simple": ["--sharded_ddp", "simple"]}

@@ -50,7 +50,7 @@ def test_a_deepspeed_run_proceeds_past_a_stale_lock(tmp_path):
     for lock in locks:
         lock.touch()
         os.utime(lock, (HOUR_AGO, HOUR_AGO))
-    out = launch("deepspeed", tmp_path / "out", "--deepspeed", REPO / "ds_configs" / "zero2_minimal.json",
+    out = launch("torchrun", tmp_path / "out", "--deepspeed", REPO / "ds_configs" / "zero2_minimal.json",
                  "--do_train", "--max_steps", "2", "--per_device_train_batch_size", "4", "--save_strategy", "no",
                  env={"TORCH_EXTENSIONS_DIR": str(built)}, timeout=400)
     assert locks and "removed stale op-build lock" in out.stdout + out.stderr

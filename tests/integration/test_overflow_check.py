@@ -101,8 +101,10 @@ def test_check_grad_overflow_false_in_the_file_is_kept_and_reported(one_rank):
     assert check_overflow_by_norm(model.optimizer).startswith("none")
 
 
-def deepspeed_tiny(output_dir, *flags, nonfinite):
-    return run([BIN / "deepspeed", "--num_gpus", 2, "--master_port", free_port(), TINY_TRAIN, "--output_dir",
+def deepspeed_tiny(output_dir, *flags, nonfinite, launcher=("torchrun", "--nproc_per_node")):
+    """ZeRO-2 on 2 ranks, under torchrun where the engine's check is the point (~3 s of CPU less than the deepspeed
+    launcher; torchrun prints its own traceback when a rank fails, so a failing run uses the deepspeed launcher)."""
+    return run([BIN / launcher[0], launcher[1], 2, "--master_port", free_port(), TINY_TRAIN, "--output_dir",
                 output_dir, "--per_device_train_batch_size", 8, "--bf16", "--deepspeed", "zero2_minimal",
                 "--report_to", "none", "--logging_steps", 1, "--disable_tqdm", "true", *flags],
                env={"TINY_TRAIN_NONFINITE_STEPS": nonfinite})
@@ -141,7 +143,8 @@ def test_nonfinite_bf16_step_is_skipped_and_named_on_2_ranks(tmp_path):
 def test_bf16_run_stops_after_10_nonfinite_steps_in_a_row(tmp_path):
     """Every step from 3 on is non-finite: the run stops after step 12 with one message and exit status 1,
     no traceback, and the last checkpoint (step 2) is intact."""
-    out = deepspeed_tiny(tmp_path, "--max_steps", 30, "--save_strategy", "steps", "--save_steps", 2, nonfinite="3-")
+    out = deepspeed_tiny(tmp_path, "--max_steps", 30, "--save_strategy", "steps", "--save_steps", 2, nonfinite="3-",
+                         launcher=("deepspeed", "--num_gpus"))
     assert out.returncode != 0
     log = out.stdout + out.stderr
     assert "steps 3-12: the gradient norm was not finite 10 times in a row under bf16" in log

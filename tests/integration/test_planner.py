@@ -140,7 +140,7 @@ def test_cli_errors_exit_2_naming_the_field(tmp_path, minilm, argv, expected):
 
 LAUNCHERS = {
     "ddp": [BIN / "torchrun", "--nproc_per_node", "2"],
-    "zero2": [BIN / "deepspeed", "--num_gpus", "2"],
+    "zero2": [BIN / "torchrun", "--nproc_per_node", "2"],  # with --deepspeed: ~3 s of CPU less than its launcher
     "simple": [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", "2"],
 }
 BACKEND_FLAGS = {"ddp": [], "zero2": ["--deepspeed", "zero2_minimal"], "simple": ["--sharded_ddp", "simple"]}
