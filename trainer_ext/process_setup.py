@@ -4,10 +4,14 @@ they load a model; a second call changes nothing."""
 
 from __future__ import annotations
 
+import weakref
+
 from .backends import Backend, backend_class, prepare_environment
 from .runtime import cpu_ranks, form_one_rank_group, share_cores_between_cpu_ranks
 from .sagemaker import prepare_arguments as prepare_sagemaker_arguments
 from .sagemaker import prepare_environment as prepare_sagemaker_environment
+
+_PREPARED: list[weakref.ref] = []  # the arguments this process is set up for (dataclasses with eq are unhashable)
 
 
 def prepare_process(args) -> None:
@@ -17,8 +21,8 @@ def prepare_process(args) -> None:
     started a backend that needs one, the selected backend's own set-up (DeepSpeed: stale leftovers removed,
     TORCH_CUDA_ARCH_LIST made readable, the group joined under ZeRO-3), and --checkpoint_uri taking a write (main
     process: one probe object, then deleted) before any model is loaded."""
-    if args is None:
-        return
+    if args is None or any(ref() is args for ref in _PREPARED):
+        return  # the recipes, sharded_loading and ExtTrainer each call it: the work is done once
     prepare_environment()
     prepare_sagemaker_arguments(args)  # ExtTrainingArguments did when built; stock TrainingArguments did not
     prepare_sagemaker_environment()
@@ -29,18 +33,21 @@ def prepare_process(args) -> None:
         form_one_rank_group(args)
     backend.prepare_process(args)
     check_checkpoint_uri(args)
+    try:
+        _PREPARED[:] = [ref for ref in _PREPARED if ref() is not None] + [weakref.ref(args)]
+    except TypeError:  # an object without weak references (a SimpleNamespace): set up again each call, harmlessly
+        pass
 
 
 def check_checkpoint_uri(args) -> None:
     """--checkpoint_uri takes a write, a listing and a read (by the process that saves): bad credentials, an
-    unreachable endpoint or a missing bucket fail now, not at the first checkpoint hours later. Once per arguments."""
+    unreachable endpoint or a missing bucket fail now, not at the first checkpoint hours later."""
     uri = getattr(args, "checkpoint_uri", None)
-    if not uri or getattr(args, "checkpoint_uri_checked", False) or not args.should_save:
+    if not uri or not args.should_save:
         return
     from .remote import RemoteCheckpoints
 
     RemoteCheckpoints(uri, getattr(args, "checkpoint_storage_options", None)).check()
-    args.checkpoint_uri_checked = True
 
 
 def sharded_loading(args):
