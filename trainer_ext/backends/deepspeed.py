@@ -57,24 +57,18 @@ class DeepSpeedBackend(Backend):
 
     @classmethod
     def arguments_ready(cls, args) -> None:
-        """Under a launcher transformers' device set-up has just formed the process group; on GPUs it also has
-        DeepSpeed join it, on CPU ranks not. Under ZeRO-3 join it here too, as stock does on GPUs: a model the script
-        loads before ExtTrainer is built inside zero.Init, which checks the batch fields against DeepSpeed's view of the
-        group (without it, "train_batch_size ... 4 != 2 * 1 * 1"). Without a launcher there is no group: nothing."""
+        """Under a launcher transformers' device set-up has just formed the process group (and on GPUs had DeepSpeed
+        join it): under ZeRO-3 DeepSpeed joins it on CPU ranks too, so a model the script loads before ExtTrainer
+        works as on GPUs. Without a launcher there is no group, and nothing is formed here."""
         import torch.distributed
 
         if zero_stage(args.deepspeed_resolution) == 3 and torch.distributed.is_initialized():
-            import deepspeed
-
-            deepspeed.init_distributed()
+            join_deepspeed_group()
 
     @classmethod
     def prepare_process(cls, args) -> None:
-        """Before DeepSpeed loads an op: no stale build locks or shared-memory buffers of killed jobs, and a
-        TORCH_CUDA_ARCH_LIST its op builder can read. Under ZeRO-3 transformers builds every model loaded from now on
-        inside DeepSpeed's zero.Init (partitioned as it is built), which checks the batch fields against DeepSpeed's
-        view of the process group: join it now, or a 2-rank config fails there as a 1-rank one (on GPUs under a
-        launcher transformers' own device set-up joins it when the arguments are built; on CPU ranks it does not)."""
+        """Before DeepSpeed loads an op: no stale build locks or shared-memory buffers of killed jobs, a
+        TORCH_CUDA_ARCH_LIST its op builder can read, and under ZeRO-3 DeepSpeed in the process group."""
         from ..cuda_arch import prepare_for_deepspeed
         from ..leftovers import clear_leftovers
         from ..runtime import cpu_ranks
@@ -84,10 +78,8 @@ class DeepSpeedBackend(Backend):
             prepare_for_deepspeed()
         resolution = getattr(args, "deepspeed_resolution", None) or resolve_stock_arguments(args)
         if zero_stage(resolution) == 3:
-            import deepspeed
-
             args.device  # noqa: B018 (transformers' property sets up the process group)
-            deepspeed.init_distributed()  # DeepSpeed's view of that group, which zero.Init reads its size from
+            join_deepspeed_group()
 
     @classmethod
     @contextmanager
@@ -423,6 +415,15 @@ def resolve_stock_arguments(args):
     args.hf_deepspeed_config.trainer_config_process(args)
     args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
     return resolution
+
+
+def join_deepspeed_group() -> None:
+    """For ZeRO-3: transformers builds every model loaded from now on inside DeepSpeed's zero.Init, which checks the
+    batch fields against DeepSpeed's view of the process group; without joining it a 2-rank config fails there as a
+    1-rank one ("train_batch_size ... 4 != 2 * 1 * 1"). Joining again changes nothing."""
+    import deepspeed
+
+    deepspeed.init_distributed()
 
 
 def apply_resolution(args, resolution) -> None:
