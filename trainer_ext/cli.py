@@ -178,6 +178,9 @@ def plan(argv: list[str]) -> int:
     parser.add_argument("--max_seq_length", type=int, default=512)
     parser.add_argument("--num_labels", type=int, default=0, help="add a classification head with this many labels")
     parser.add_argument("--device_memory", help="memory of one device (16GB, 80GiB): name the cheapest that fits")
+    parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
+                        help="the model's attention: sdpa (PyTorch's fused kernels, transformers' default) keeps no "
+                             "a*s^2 activations; eager does")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
     args = parser.parse_args(argv)
     try:
@@ -186,7 +189,7 @@ def plan(argv: list[str]) -> int:
         device_memory = parse_bytes(args.device_memory) if args.device_memory else None
         result = make_plan(size, args.world_size, "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
                            offload=args.offload, batch_size=args.per_device_train_batch_size,
-                           seq_length=args.max_seq_length, device_memory=device_memory)
+                           seq_length=args.max_seq_length, device_memory=device_memory, attention=args.attention)
     except PlanError as err:
         print(f"trainer-ext plan: error: {err}", file=sys.stderr)
         return 2

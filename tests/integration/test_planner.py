@@ -1,6 +1,7 @@
 """`trainer-ext plan`: parameter counts, per-backend formulas, the choice of backend, errors, and its model-state
 prediction against the bytes a real 2-rank run holds (DDP, ZeRO-2, `--sharded_ddp simple`)."""
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -87,9 +88,15 @@ def test_zero_paper_formulas():
 
 def test_activation_estimate_and_cheapest_fit(minilm):
     """The activation formula or the choice of the cheapest backend that fits would be wrong."""
-    size = model_size(str(minilm))
-    estimate = plan(size, 2, "fp32", batch_size=16, seq_length=64).estimates[0]
-    assert estimate.activations == 6 * 64 * 16 * 384 * (34 + 5 * 12 * 64 / 384) * 2
+    size = model_size(str(minilm))  # dropout 0.1 in its config: the masks are kept
+    assert size.dropout and size.attention_dropout
+    estimate = plan(size, 2, "fp32", batch_size=16, seq_length=64).estimates[0]  # fused attention (sdpa): no a·s²
+    assert estimate.activations == 6 * 64 * 16 * 384 * 34 * 2
+    eager = plan(size, 2, "fp32", batch_size=16, seq_length=64, attention="eager").estimates[0]
+    assert eager.activations == 6 * 64 * 16 * 384 * (34 + 5 * 12 * 64 / 384) * 2  # Korthikanti et al.'s eq. 1
+    # Dropout off (the H200 measurement): s·b·h·32 per layer, whose slope matched the peak memory measured there
+    quiet = dataclasses.replace(size, dropout=False, attention_dropout=False)
+    assert plan(quiet, 2, "bf16", batch_size=16, seq_length=64).estimates[0].activations == 6 * 64 * 16 * 384 * 32
     big = ModelSize(7 * 10 ** 9, "test")  # 7B, bf16, 8 ranks: DDP needs 112 GB, ZeRO-2 ~26.25 GB of model states
     assert plan(big, 8, "bf16", device_memory=parse_bytes("80GB")).cheapest_fitting().backend == "zero1"
     assert plan(big, 8, "bf16", device_memory=parse_bytes("30GB")).cheapest_fitting().backend == "zero2"

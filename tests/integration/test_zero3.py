@@ -54,7 +54,8 @@ def test_stage_3_fields_wait_for_the_model_then_explain_says_why(deepspeed_accep
     assert zero.prefetch_bucket_size == int(0.9 * HIDDEN * HIDDEN) and zero.gather_16bit_weights_on_model_save
     text = explain(finished)
     assert "hidden size h = 384 (transformers' rule: 0.9·h² elements fetched ahead of use)" in text
-    assert "0.18x plain samples/s" in text and "trainer-ext plan" in text
+    assert "0.19x at DeepSpeed's defaults" in text and "trainer-ext plan" in text
+    assert zero.module_granularity_threshold == HIDDEN * HIDDEN  # GPU ranks: sized once the model is known too
 
 
 @pytest.mark.deepspeed
@@ -108,6 +109,23 @@ def test_module_granularity_is_refused_on_cpu_ranks_only(deepspeed_accepts):
         resolve_deepspeed_config({}, file, world_size=2, num_training_steps=10, hidden_size=HIDDEN, cpu_ranks=True)
     on_gpus = resolve_deepspeed_config({}, file, world_size=2, num_training_steps=10, hidden_size=HIDDEN)
     assert deepspeed_accepts(on_gpus.config, 2).zero_config.module_granularity_threshold == 1_000_000
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("where,file,expected", [
+    ("GPUs", {}, 1024 * 1024),  # h²: measured on one H200, 0.62-0.66x plain instead of 0.19x at DeepSpeed's 0
+    ("CPU ranks", {}, 0),  # DeepSpeed fails there with any value > 0
+    ("GPUs", {"offload_param": {"device": "cpu"}}, 0),  # not measured with parameter offload: DeepSpeed's own
+    ("GPUs", {"stage3_module_granularity_threshold": 5e5}, 500_000),  # a value the file gives is kept
+])
+def test_module_granularity_default_follows_where_the_ranks_run(deepspeed_accepts, where, file, expected):
+    """ZeRO-3's module granularity (issue 25's stage-3 rows on an H200): h² on GPUs, 0 on CPU ranks and with
+    offload_param, as DeepSpeed's own parser reads the resolved config."""
+    config = {"zero_optimization": {"stage": 3, **file}}
+    resolution = resolve_deepspeed_config({}, config, world_size=2, num_training_steps=10, hidden_size=1024,
+                                          cpu_ranks=where == "CPU ranks")
+    assert resolution.config["zero_optimization"]["stage3_module_granularity_threshold"] == expected
+    assert deepspeed_accepts(resolution.config, 2).zero_config.module_granularity_threshold == expected
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ every other flag is an ExtTrainingArguments flag.
 The final model, train_results.json (train_loss, ...) and trainer_state.json (per-step losses and gradient norms) go to
 output_dir.
 TINY_TRAIN_NONFINITE_STEPS="3" (or "3-": from step 3 on) makes the logits of those optimizer steps infinite, so their
-gradients hold inf/NaN: what a diverging run or a bad batch does to a real one."""
+gradients hold inf/NaN: what a diverging run or a bad batch does to a real one. Under --fp16 each logged step also
+records `loss_scale`, the scale the next step will use (DeepSpeed's loss scaler, or accelerate's GradScaler)."""
 
 import argparse
 import contextlib
@@ -82,8 +83,23 @@ class NonFiniteSteps(TrainerCallback):
         self.active = step >= self.first and (self.last is None or step <= self.last)
 
 
+
+
+class LossScale(TrainerCallback):
+    """Adds the fp16 loss scale to each logged step of trainer_state.json."""
+
+    def on_log(self, args, state, control, **kwargs):
+        optimizer = getattr(trainer.model_wrapped, "optimizer", None)  # a DeepSpeed engine's ZeRO optimizer
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        scale = getattr(optimizer, "cur_scale", None) or (scaler.get_scale() if scaler is not None else None)
+        if scale is not None and state.log_history and "loss" in state.log_history[-1]:
+            state.log_history[-1]["loss_scale"] = float(scale)
+
+
 injected = os.environ.get("TINY_TRAIN_NONFINITE_STEPS")
 callbacks = [NonFiniteSteps(injected)] if injected else []
+if args.fp16:
+    callbacks.append(LossScale())
 if mine.report_dir:
     report = ModelStateReport(mine.report_dir)
     report.record["load_peak_params_bytes"] = peak.bytes  # the most parameter bytes this rank held while building

@@ -173,18 +173,32 @@ TUNED_ZERO = {
 }
 # Values DeepSpeed itself uses for zero fields given as "auto" when no model is at hand.
 ZERO_AUTO_FALLBACK = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
-                      "stage3_param_persistence_threshold": 1e5}
-# transformers' rules (HfTrainerDeepSpeedConfig.trainer_config_finalize) from the model's hidden size h.
+                      "stage3_param_persistence_threshold": 1e5, "stage3_module_granularity_threshold": 0}
+# Sizes from the model's hidden size h: key -> (rule, meaning, whose). transformers' are those of
+# HfTrainerDeepSpeedConfig.trainer_config_finalize.
 HIDDEN_SIZE_AUTO = {
-    "reduce_bucket_size": (lambda h: h * h, "h² elements"),
-    "stage3_prefetch_bucket_size": (lambda h: int(0.9 * h * h), "0.9·h² elements fetched ahead of use"),
+    "reduce_bucket_size": (lambda h: h * h, "h² elements", "transformers' rule"),
+    "stage3_prefetch_bucket_size": (lambda h: int(0.9 * h * h), "0.9·h² elements fetched ahead of use",
+                                    "transformers' rule"),
     "stage3_param_persistence_threshold": (lambda h: 10 * h, "parameters under 10·h elements stay whole on every "
-                                                             "rank (no fetch per use)"),
+                                                             "rank (no fetch per use)", "transformers' rule"),
+    "stage3_module_granularity_threshold": (lambda h: h * h, "a module under h² parameters (a projection, a "
+                                                             "LayerNorm) is fetched with its parent: one gather and "
+                                                             "one hook per block instead of per module",
+                                            "our rule, measured on a GPU"),
 }
+# ZeRO-3 on GPUs: stage3_module_granularity_threshold "auto" (h²) unless the file sets it. Measured on one H200
+# (BERT-large QA, bf16, 32 x 384, DeepSpeed 0.19.8, 2026-11-24): 0.19x plain samples/s at DeepSpeed's default 0, 0.62x
+# and 0.66x (two runs) at 1e6 = h²; the other stage-3 rows (persistence 2e6, prefetch 5e8 with live 3e9, overlap_comm
+# off, contiguous_gradients off, all four together) ran at 0.14-0.17x. Left at 0 on CPU ranks (DeepSpeed fails there)
+# and with offload_param (not measured).
+ZERO3_GRANULARITY = ("auto", "fewer, coarser parameter fetches: on one H200 (BERT-large, bf16) ZeRO-3 ran at "
+                             "0.62-0.66x plain samples/s with h², 0.19x at DeepSpeed's 0 "
+                             "(benchmarks/results/gpu_zero3.md)")
 # ZeRO-3 fields filled when a file leaves them out or says "auto" (a value the user wrote is kept): key -> (value,
 # why); "auto" here means "from the model's hidden size" (HIDDEN_SIZE_AUTO). The rest stay DeepSpeed's own defaults
 # (stage3_max_live_parameters and stage3_max_reuse_distance 1e9, sub_group_size 1e9, overlap_comm on): the same as
-# transformers' documented ZeRO-3 template. Tuning them for speed needs a GPU measurement (docs/deepspeed.md, ZeRO-3).
+# transformers' documented ZeRO-3 template; on one H200 none of them changed ZeRO-3's speed (docs/gpus.md).
 ZERO3_DEFAULTS = {
     **dict.fromkeys(("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"),
                     ("auto", "sized from the model's hidden size h (transformers' rule)")),
@@ -194,8 +208,8 @@ ZERO3_DEFAULTS = {
 }
 # What ZeRO-3 costs where ZeRO-2 would fit, for --explain and trainer-ext plan (measured in issue 14).
 ZERO3_COST = ("parameters gathered per layer for every forward and backward (1.5x DDP's communication): measured "
-              "0.18x plain samples/s at DeepSpeed's defaults on one H100 (BERT-large, bf16); choose it when ZeRO-2 "
-              "does not fit (trainer-ext plan --device_memory tells)")
+              "on one H200 (BERT-large, bf16) at 0.62-0.66x plain samples/s with our module granularity, 0.19x at "
+              "DeepSpeed's defaults; choose it when ZeRO-2 does not fit (trainer-ext plan --device_memory tells)")
 # Keys DeepSpeed reads only at stage 3 (at stage 0-2 it ignores them), and the unprefixed names DeepSpeed also accepts
 # for stage-3 fields (renamed to the stage3_ spelling transformers and the presets use).
 STAGE3_ALIASES = {

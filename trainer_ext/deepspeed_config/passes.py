@@ -17,8 +17,8 @@ from .fields import (Origin, Source, copy_tree, flag_source, get_field, iter_fie
 from .keys import (AUTO, DEEPSPEED_OPTIMIZER_NAMES, DEEPSPEED_OPTIMIZERS, DEEPSPEED_SCHEDULERS, FIELD_FLAGS,
                    FLAG_DEFAULTS, FP16_BLOCK_DEFAULTS, H100_RUN, HIDDEN_SIZE_AUTO, KNOWN_TOP_LEVEL_KEYS, NESTED_HOME,
                    REMOVED_TOP_LEVEL_KEYS, SCHEDULER_FOR_TYPE, SECTION_KEYS, STAGE3_ALIASES, STAGE3_ONLY_KEYS,
-                   TORCH_OPTIMIZERS, TUNED_ZERO, ZERO2_DEFAULTS, ZERO3_COST, ZERO3_DEFAULTS, ZERO_AUTO_FALLBACK,
-                   ZERO_TESTED_OPTIMIZERS)
+                   TORCH_OPTIMIZERS, TUNED_ZERO, ZERO2_DEFAULTS, ZERO3_COST, ZERO3_DEFAULTS, ZERO3_GRANULARITY,
+                   ZERO_AUTO_FALLBACK, ZERO_TESTED_OPTIMIZERS)
 
 FLAG, DEFAULT, FILE, DERIVED = Origin.FLAG, Origin.DEFAULT, Origin.FILE, Origin.DERIVED
 PRECISIONS = ("fp16", "bf16")
@@ -533,6 +533,18 @@ def _zero3_defaults(draft: Draft, section: dict, run: Run) -> None:
             continue
         section[key] = value
         draft.sources[f"zero_optimization.{key}"] = Source(DEFAULT, f" for ZeRO-3: {why}")
+    granularity_key = "stage3_module_granularity_threshold"
+    if section.get(granularity_key, AUTO) == AUTO:
+        offload_param = section.get("offload_param")
+        if run.cpu_ranks:
+            section[granularity_key], why = 0, ("0 on CPU ranks: DeepSpeed's module granularity fails there at the "
+                                                "first step (record_stream)")
+        elif isinstance(offload_param, dict) and offload_param.get("device") not in (None, "none"):
+            section[granularity_key], why = 0, ("DeepSpeed's 0 with offload_param (the coarser fetch is not "
+                                                "measured there)")
+        else:
+            section[granularity_key], why = ZERO3_GRANULARITY
+        draft.sources[f"zero_optimization.{granularity_key}"] = Source(DEFAULT, f" for ZeRO-3: {why}")
     if section["stage3_gather_16bit_weights_on_model_save"] is False:
         draft.notes.append("zero_optimization.stage3_gather_16bit_weights_on_model_save is false in the file: "
                            "checkpoints and output_dir hold ZeRO shards only, no model from_pretrained can load "
@@ -565,9 +577,9 @@ def zero_auto_value(key: str, hidden_size: int | None, model_given: bool) -> tup
     """A zero_optimization field given as "auto": transformers' rule from the model's hidden size h, else DeepSpeed's
     own default; None when neither has a value for it."""
     if key in HIDDEN_SIZE_AUTO and hidden_size:
-        rule, meaning = HIDDEN_SIZE_AUTO[key]
-        return rule(hidden_size), Source(DERIVED, f" from the model's hidden size h = {hidden_size} (transformers' "
-                                                  f"rule: {meaning})")
+        rule, meaning, whose = HIDDEN_SIZE_AUTO[key]
+        return rule(hidden_size), Source(DERIVED, f" from the model's hidden size h = {hidden_size} ({whose}: "
+                                                  f"{meaning})")
     if key in ZERO_AUTO_FALLBACK:
         why = "the model gives no hidden size to size it" if model_given else "no model given to size it"
         return ZERO_AUTO_FALLBACK[key], Source(DEFAULT, f" (DeepSpeed's; {why})")
