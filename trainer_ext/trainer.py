@@ -130,7 +130,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
 
     def _loss_uses_num_items(self, model, inputs) -> bool:
         """Ask the model itself: does its loss change with `num_items_in_batch`? (A plain mean does not.)"""
-        module = self.backend.unwrap(self.accelerator.unwrap_model(model))
+        module = self.backend.forward_module(self.accelerator.unwrap_model(model))
         inputs = self._prepare_inputs(inputs)
         was_training = module.training
         module.eval()
