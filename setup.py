@@ -22,7 +22,7 @@ SEARCH_POSTGRES = [*SEARCH, "psycopg[binary]>=3.1"]
 # 127.0.0.1.
 # tests/integration/test_benchmarks.py renders the benchmark report and figure.
 TEST = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH_POSTGRES, *SAGEMAKER, "moto[server]>=5", "boto3",
-        "tensorboard", "pytest>=7"]
+        "tensorboard", "pytest>=7", "pytest-xdist>=3.8"]
 
 setup(
     name="trainer_ext",

@@ -1,12 +1,16 @@
 """Shared fixtures: DeepSpeed's own config parser as an oracle, and helpers to run real processes."""
 
+import fcntl
+import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,7 +25,8 @@ DISTRIBUTED_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MAST
 
 
 PREBUILD = """
-import time
+import sys, time
+from pathlib import Path
 from deepspeed.accelerator import get_accelerator
 for name in ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder"):
     builder = get_accelerator().create_op_builder(name)
@@ -29,7 +34,42 @@ for name in ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder"):
         start = time.time()
         builder.load(verbose=False)
         print(f"{builder.NAME}: {time.time() - start:.0f} s")
+Path(sys.argv[1]).touch()
 """
+
+SHARED_ENV = "TRAINER_EXT_TEST_SHARED"
+
+
+def shared_dir() -> Path:
+    """This session's folder shared by every pytest-xdist worker (`make test` runs two test files at a time): the
+    session-wide reference runs, the op build's lock and what each worker launched live there, so each is done once."""
+    return Path(os.environ[SHARED_ENV])
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and SHARED_ENV not in os.environ:  # the controller, before its workers
+        import tempfile
+
+        os.environ[SHARED_ENV] = config._shared_created = tempfile.mkdtemp(prefix="trainer-ext-tests-")
+
+
+def pytest_unconfigure(config):
+    created = getattr(config, "_shared_created", None)
+    if created:
+        shutil.rmtree(created, ignore_errors=True)
+        del os.environ[SHARED_ENV]
+
+
+@contextmanager
+def shared_once(name):
+    """Exclusive access to `shared_dir()/name` across workers (a file lock): the first worker to come does the work,
+    the others wait for it and read the result."""
+    with open(shared_dir() / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield shared_dir() / name
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 _OPS: dict = {}  # the background build of DeepSpeed's ops: its process, log file and start time
@@ -38,7 +78,8 @@ _OPS_LOCK = threading.Lock()
 
 def pytest_sessionstart(session):
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    clear_stale_build_locks(min_age_s=0)
+    if not hasattr(session.config, "workerinput"):  # once, before any worker starts a build
+        clear_stale_build_locks(min_age_s=0)
 
 
 def pytest_collection_finish(session):
@@ -54,9 +95,24 @@ def pytest_collection_finish(session):
     if (importlib.util.find_spec("deepspeed") is None or "not launch" in config.getoption("markexpr", "")
             or config.getoption("collectonly") or not any(i.get_closest_marker("deepspeed") for i in session.items)):
         return
+    _OPS["started"] = time.time()
+    built = shared_dir() / "ops-built"
+    lock = open(shared_dir() / "ops-build.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # another worker builds them: wait_for_deepspeed_ops waits for its lock
+        lock.close()
+        _OPS["elsewhere"] = True
+        return
+    if built.exists():  # another worker built them already
+        lock.close()
+        return
+    # The build process inherits the lock (the same open file), which is then held exactly as long as it runs.
     log = tempfile.TemporaryFile("w+")
-    _OPS.update(process=subprocess.Popen([PYTHON, "-c", PREBUILD], stdout=log, stderr=subprocess.STDOUT, text=True,
-                                         env=clean_env(), start_new_session=True), log=log, started=time.time())
+    _OPS.update(process=subprocess.Popen([PYTHON, "-c", PREBUILD, built], stdout=log, stderr=subprocess.STDOUT,
+                                         text=True, env=clean_env(), start_new_session=True, pass_fds=(lock.fileno(),)),
+                log=log)
+    lock.close()
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter:
         reporter.write_line(f"building DeepSpeed's ops in {os.environ['TORCH_EXTENSIONS_DIR']} in the background "
@@ -70,8 +126,12 @@ def wait_for_deepspeed_ops():
 
 
 def _wait_for_deepspeed_ops():
+    if "waited" in _OPS:
+        return
+    if _OPS.get("elsewhere"):
+        _wait_for_another_worker()
     process = _OPS.get("process")
-    if process is None or "waited" in _OPS:
+    if process is None:
         return
     waiting = time.time()
     try:
@@ -91,6 +151,29 @@ def _wait_for_deepspeed_ops():
                     f"{time.time() - waiting:.0f} s for them"
                     if process.returncode == 0 else f"building DeepSpeed's ops failed or took over 30 min (the DeepSpeed "
                                                     f"tests show why):\n{built[-2000:]}")
+    _say(_OPS["said"])
+
+
+def _wait_for_another_worker():
+    """Another worker's build holds the lock until it ends (or is killed at its 30 minutes)."""
+    waiting = time.time()
+    with open(shared_dir() / "ops-build.lock", "w") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.time() - _OPS["started"] > 1860:
+                    break  # the DeepSpeed tests show why
+                time.sleep(1)
+    _OPS["waited"] = True
+    _say(f"a test worker waited {time.time() - waiting:.0f} s for DeepSpeed's ops being built by another")
+
+
+def _say(line: str) -> None:
+    """A line for the session's summary: written to the shared folder, where the controller of the workers reads it."""
+    with open(shared_dir() / f"said-{os.getpid()}.txt", "a") as said:
+        said.write(line + "\n")
 
 
 @pytest.fixture(autouse=True)
@@ -100,12 +183,17 @@ def _deepspeed_ops_built(request):
         wait_for_deepspeed_ops()
 
 
-def pytest_sessionfinish(session):
+def pytest_sessionfinish(session, exitstatus):
     process = _OPS.get("process")
-    if process is not None and process.poll() is None:  # the session stopped before a DeepSpeed test (-x, ^C)
-        os.killpg(process.pid, 9)
-        process.wait()
-        clear_stale_build_locks(min_age_s=0)
+    if process is None or process.poll() is not None:
+        return
+    if hasattr(session.config, "workerinput") and not (session.shouldstop or session.shouldfail
+                                                         or exitstatus == pytest.ExitCode.INTERRUPTED):
+        wait_for_deepspeed_ops()  # a worker that ran no DeepSpeed test: another may be waiting for this build
+        return
+    os.killpg(process.pid, 9)  # the session stopped before a DeepSpeed test (-x, ^C)
+    process.wait()
+    clear_stale_build_locks(min_age_s=0)
 
 
 def pytest_report_header(config):
@@ -134,10 +222,14 @@ _EXAMPLES = {"run_glue.py", "run_qa.py", "run_translation.py"}
 def pytest_collection_modifyitems(config, items):
     for marker, nodeids in _MARKED.items():
         nodeids.update(item.nodeid for item in items if item.get_closest_marker(marker))
-    # Files without a DeepSpeed test first, while DeepSpeed's ops build in the background; a file's tests stay
-    # together and in order (its module fixtures are set up once).
+    # Files without a DeepSpeed test first, while DeepSpeed's ops build in the background; within each group the files
+    # that launch most processes first, so that the two workers of `make test` (pytest-xdist, a file each) end
+    # together; a file's tests stay together and in order (its module fixtures are set up once).
     with_deepspeed = {item.path for item in items if item.get_closest_marker("deepspeed")}
-    items.sort(key=lambda item: item.path in with_deepspeed)
+    launches = {}
+    for item in items:
+        launches[item.path] = launches.get(item.path, 0) + bool(item.get_closest_marker("launch"))
+    items.sort(key=lambda item: (item.path in with_deepspeed, -launches[item.path], str(item.path)))
 
 
 def _check_markers(args: list[str]) -> None:
@@ -161,21 +253,25 @@ def _check_markers(args: list[str]) -> None:
         wait_for_deepspeed_ops()
 
 
-_LAUNCHED: list[tuple[str, float]] = []  # (test file, seconds) of each process run() started: CI's time goes there
 
 
 def pytest_terminal_summary(terminalreporter):
     """How many processes the tests launched and their seconds, per file (the CI time budget is spent on them), and
     what DeepSpeed's op build cost."""
-    if "said" in _OPS:
-        terminalreporter.write_sep("=", _OPS["said"])
-    if not _LAUNCHED:
+    if hasattr(terminalreporter.config, "workerinput") or SHARED_ENV not in os.environ:
+        return
+    for said in sorted(shared_dir().glob("said-*.txt")):
+        for line in said.read_text().splitlines():
+            terminalreporter.write_sep("=", line)
+    launched = [json.loads(line) for record in sorted(shared_dir().glob("launched-*.jsonl"))
+                for line in record.read_text().splitlines()]
+    if not launched:
         return
     per_file: dict[str, list[float]] = {}
-    for path, seconds in _LAUNCHED:
+    for path, seconds in launched:
         per_file.setdefault(path, []).append(seconds)
-    terminalreporter.write_sep("=", f"{len(_LAUNCHED)} processes launched by run(), "
-                                    f"{sum(s for _, s in _LAUNCHED):.0f} s")
+    terminalreporter.write_sep("=", f"{len(launched)} processes launched by run(), "
+                                    f"{sum(s for _, s in launched):.0f} s")
     for path, times in sorted(per_file.items(), key=lambda item: -sum(item[1])):
         terminalreporter.write_line(f"{sum(times):8.0f} s {len(times):4d} processes  {path}")
 
@@ -194,7 +290,9 @@ def run(cmd, timeout=600, env=None, cwd=REPO):
                                cwd=cwd, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
-        _LAUNCHED.append((os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0], time.time() - started))
+        with open(shared_dir() / f"launched-{os.getpid()}.jsonl", "a") as record:  # CI's time goes there
+            record.write(json.dumps([os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0], time.time() - started])
+                         + "\n")
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
@@ -353,28 +451,30 @@ ACCUMULATE = ["--do_train", "--max_steps", "12", "--gradient_accumulation_steps"
 class SharedRuns:
     """Session-wide reference runs, each launched when a test first reads it (`runs / "zero2"` is its output_dir): a
     test starts only the runs it compares with, so its markers stay true when it runs alone (a FairScale test that
-    reads the single and DDP runs launches no DeepSpeed)."""
+    reads the single and DDP runs launches no DeepSpeed). They live in the workers' shared folder: the first worker
+    to read a run launches it, another reading it meanwhile waits for it, a failed run fails every reader."""
 
-    def __init__(self, root, runs):
-        self.root, self.runs, self.failed = root, runs, {}
+    def __init__(self, name, runs):
+        self.name, self.runs = name, runs
 
     def __truediv__(self, name):
-        output_dir = self.root / name
-        if name in self.failed:
-            pytest.fail(f"the shared run {name} failed earlier:\n{self.failed[name]}")
-        if not output_dir.exists():
-            kind, *flags = self.runs[name]
-            try:
-                launch(kind, output_dir, *flags)
-            except AssertionError as error:
-                self.failed[name] = str(error)
-                raise
+        with shared_once(f"{self.name}-{name}") as output_dir:
+            failed = output_dir.with_name(output_dir.name + ".failed")
+            if failed.exists():
+                pytest.fail(f"the shared run {self.name}/{name} failed earlier:\n{failed.read_text()}")
+            if not output_dir.exists():
+                kind, *flags = self.runs[name]
+                try:
+                    launch(kind, output_dir, *flags)
+                except AssertionError as error:
+                    failed.write_text(str(error))
+                    raise
         return output_dir
 
 
 @pytest.fixture(scope="session")
-def plain_runs(tmp_path_factory):
-    return SharedRuns(tmp_path_factory.mktemp("plain"), {
+def plain_runs():
+    return SharedRuns("plain", {
         "single": ["single", *PLAIN, "--per_device_train_batch_size", 16],
         "ddp": ["torchrun", *PLAIN, "--per_device_train_batch_size", 8],
         "zero2": ["deepspeed", *PLAIN, "--per_device_train_batch_size", 8, "--deepspeed", "ds_configs/zero2_minimal.json"],
@@ -382,8 +482,8 @@ def plain_runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def accumulate_runs(tmp_path_factory):
-    return SharedRuns(tmp_path_factory.mktemp("accumulate"), {
+def accumulate_runs():
+    return SharedRuns("accumulate", {
         "single": ["single", *ACCUMULATE, "--per_device_train_batch_size", 8, "--save_strategy", "steps",
                    "--save_steps", 6],
         "ddp": ["launch", *ACCUMULATE, "--per_device_train_batch_size", 4, "--save_strategy", "no"],
@@ -456,10 +556,13 @@ def loaded(record_dir, rank):
 
 
 @pytest.fixture(scope="session")
-def uninterrupted(tmp_path_factory):
+def uninterrupted():
     """2 ranks x 8 = 16 per step, 14 steps over a 100-sample set: 7 steps per epoch, checkpoints every 4 steps."""
-    root = tmp_path_factory.mktemp("order")
-    train(root / "run", root / "indices", 8, 2, "--max_steps", 14)
+    with shared_once("order") as root:  # once across workers (see SharedRuns)
+        if not (root / "done").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            train(root / "run", root / "indices", 8, 2, "--max_steps", 14)
+            (root / "done").touch()
     return root
 
 

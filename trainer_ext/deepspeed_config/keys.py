@@ -122,8 +122,9 @@ DEEPSPEED_OPTIMIZERS = frozenset(name.lower() for name in DEEPSPEED_OPTIMIZER_NA
 TORCH_OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "Muon", "NAdam",
                     "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam")
 # What ZeRO builds without zero_allow_untested_optimizer (deepspeed/runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS:
-# torch's Adam/AdamW/Adagrad and DeepSpeed's fused/CPU versions of adam, adagrad and lion).
-ZERO_TESTED_OPTIMIZERS = frozenset({"adam", "adamw", "adagrad", "lion"})
+# torch's Adam/AdamW/Adagrad and DeepSpeed's fused/CPU versions of adam, adagrad and lion, plus MuonWithAuxAdam, which
+# DeepSpeed adds to that list on its first check, and builds for "Muon").
+ZERO_TESTED_OPTIMIZERS = frozenset({"adam", "adamw", "adagrad", "lion", "muon"})
 
 DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 # transformers scheduler type -> the DeepSpeed scheduler class of the same shape.
