@@ -13,8 +13,14 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-import torch
+# Idle OpenMP threads sleep instead of spinning (set before torch loads its OpenMP; launched processes inherit it). Two
+# test files at a time put more threads than cores on CI's 2 cores, where spinning threads steal the cores the working
+# ones need: three concurrent one-process run_glue.py runs took 70 s of wall and 139 s of CPU with the default policy,
+# 24 s and 47 s with PASSIVE. The policy changes no arithmetic (the same threads, the same kernels).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from trainer_ext.leftovers import clear_stale_build_locks
 
@@ -366,13 +372,16 @@ def deepspeed_accepts():
 
 @pytest.fixture(autouse=True)
 def _no_world_size_env(monkeypatch):
+    """Each test starts without WORLD_SIZE and leaves this process's environment as it found it: what a test's code
+    sets (transformers' ACCELERATE_USE_DEEPSPEED left set when PartialState() raises, prepare_process's variables,
+    a SageMaker job's TENSORBOARD_LOGGING_DIR) would otherwise reach every later test in the worker and the processes
+    it launches, so a test's outcome would depend on which file ran before it."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    before = {key for key in os.environ if key.startswith("ACCELERATE_")}
+    before = dict(os.environ)
     yield
-    # transformers sets ACCELERATE_USE_DEEPSPEED around PartialState() and leaves it set when that raises: every later
-    # TrainingArguments in this process would then build a DeepSpeed plugin.
-    for key in [key for key in os.environ if key.startswith("ACCELERATE_") and key not in before]:
+    for key in [key for key in os.environ if key not in before]:
         del os.environ[key]
+    os.environ.update(before)
 
 
 def requires_cuda(test):
