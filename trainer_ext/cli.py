@@ -81,8 +81,14 @@ def train(argv: list[str]) -> int:
     if args.check:
         import yaml
 
+        from .config.checks import shown_storage_options
+
         # through JSON: enums (lr_scheduler_type) and paths become the strings a YAML file holds
-        print(yaml.safe_dump(json.loads(json.dumps(experiment.resolved(), default=str)), sort_keys=False), end="")
+        resolved = json.loads(json.dumps(experiment.resolved(), default=str))
+        if resolved["training"].get("checkpoint_storage_options"):  # printed without its credentials
+            resolved["training"]["checkpoint_storage_options"] = shown_storage_options(
+                resolved["training"]["checkpoint_storage_options"])
+        print(yaml.safe_dump(resolved, sort_keys=False), end="")
         return 0
     metrics = experiment.run()
     if experiment.training_args.process_index == 0:
@@ -152,7 +158,9 @@ def search(argv: list[str]) -> int:
     experiment = os.path.abspath(args.experiment)
     if args.check:
         print(search_as_checked(settings), end="")
-        print("each trial:", *launcher.command(), "train", experiment, *flags, "--output_dir",
+        from .config.checks import shown_flags
+
+        print("each trial:", *launcher.command(), "train", experiment, *shown_flags(flags), "--output_dir",
               f"{settings.study_dir}/trial-N", "--FIELD VALUE ...")
         return 0
     return Search(settings, experiment, flags, launcher, args.keep_checkpoints, result["deepspeed"],

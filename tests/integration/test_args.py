@@ -269,3 +269,32 @@ def test_the_old_module_paths_still_load_saved_arguments_and_scripts():
 
     assert pickle.loads(b"ctrainer_ext.args\nExtTrainingArguments\n.") is ExtTrainingArguments
     assert old_run_experiment is run_experiment
+
+
+def test_storage_credentials_are_hidden_wherever_the_arguments_are_shown(tmp_path):
+    """--checkpoint_storage_options may hold keys: every rendering of the arguments (logs, to_json_string, TensorBoard's
+    hparams, W&B/MLflow's to_dict, --check, a command line, an error) shows "<hidden>" instead, keeps what helps debug
+    (endpoint, signature version), and the run itself gets the real values. Otherwise transformers' own rendering:
+    hub_token hidden, and str() the same as TrainingArguments' when there is nothing to hide."""
+    from transformers import TrainingArguments
+
+    from trainer_ext.config.checks import parse_storage_options, shown_flags
+
+    secrets = ["AKIA-key-1", "s3cr3t-2", "nested-3", "url-pw-4", "hf-token-5"]
+    options = {"key": secrets[0], "secret": secrets[1], "config_kwargs": {"signature_version": "s3v4"},
+               "client_kwargs": {"aws_secret_access_key": secrets[2], "endpoint_url": f"http://me:{secrets[3]}@h:9000"}}
+    args = ExtTrainingArguments(output_dir=str(tmp_path), report_to="none", hub_token=secrets[4],
+                                checkpoint_storage_options=json.dumps(options))
+    assert args.checkpoint_storage_options == options
+    for text in (str(args), repr(args), f"{args}", json.dumps(args.to_dict()), args.to_json_string(),
+                 str(args.to_sanitized_dict()), " ".join(shown_flags(["--checkpoint_storage_options",
+                                                                      json.dumps(options)]))):
+        assert not [secret for secret in secrets[:4] if secret in text], text
+        assert "http://me:<hidden>@h:9000" in text and "s3v4" in text
+    assert secrets[4] not in str(args) and args.to_dict()["hub_token"] == "<HUB_TOKEN>"
+    for text in ('{"secret": "s3cr3t-2",', '["s3cr3t-2"]'):
+        with pytest.raises(ArgumentsError, match="--checkpoint_storage_options") as raised:
+            parse_storage_options(text)
+        assert "s3cr3t-2" not in str(raised.value)
+    plain = ExtTrainingArguments(output_dir=str(tmp_path), report_to="none")
+    assert str(plain) == TrainingArguments.__str__(plain)

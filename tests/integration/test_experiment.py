@@ -284,9 +284,12 @@ def test_a_copied_experiment_trains_from_another_folder_with_flags(tmp_path):
                "--output_dir", "out"]
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")}
 
-    check = run([*command, "--check"], cwd=cwd, env=env)
+    storage = ["--checkpoint_storage_options", '{"endpoint_url": "http://minio:9000", "secret": "s3cr3t"}']
+    check = run([*command, "--check", *storage], cwd=cwd, env=env)
     assert check.returncode == 0, check.stderr[-3000:]
     resolved = yaml.safe_load(check.stdout)
+    assert resolved["training"]["checkpoint_storage_options"] == {"endpoint_url": "http://minio:9000",
+                                                                  "secret": "<hidden>"}  # --check is pasted in issues
     assert resolved["data"]["train_file"] == str(project / "data" / "classification" / "train.jsonl")
     assert [resolved["training"][key] for key in ("max_steps", "learning_rate", "output_dir")] == [2, 1e-4, "out"]
 

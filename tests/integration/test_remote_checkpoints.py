@@ -69,8 +69,21 @@ def test_checkpoints_go_to_the_server_and_a_wiped_output_dir_resumes_from_it(s3_
     import shutil
 
     shutil.rmtree(output_dir)  # the machine is gone
-    out = train(output_dir, tmp_path / "second", 8, 2, *flags, "--max_steps", 14, env=env)
+    # The new machine has no AWS variables: the credentials come in --checkpoint_storage_options, and no log, no
+    # TensorBoard event file (the arguments as text and hparams) and no other output file shows them.
+    secret = "never-SHOWN-7f3a"
+    options = json.dumps({"key": "testing", "secret": secret, "client_kwargs": {"endpoint_url": endpoint}})
+    out = train(output_dir, tmp_path / "second", 8, 2, *flags, "--max_steps", 14, "--checkpoint_storage_options",
+                options, "--report_to", "tensorboard",
+                env={"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_EC2_METADATA_DISABLED": "true",
+                     "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
+                     "TENSORBOARD_LOGGING_DIR": str(output_dir / "tensorboard")})
     text = out.stdout + out.stderr
+    assert secret not in text
+    # training_args.bin is the pickled arguments, as transformers saves them (hub_token included): docs/operations.md
+    shown = [path for path in output_dir.rglob("*") if path.is_file() and path.name != "training_args.bin"
+             and secret.encode() in path.read_bytes()]
+    assert shown == [] and list((output_dir / "tensorboard").rglob("events.out.tfevents.*"))
     assert "downloaded s3://checkpoints/run1/checkpoint-10" in text
     assert f"resuming from {output_dir / 'checkpoint-10'}" in text
     for rank in range(2):

@@ -46,7 +46,8 @@ def parse_class_weights(value) -> list[float] | None:
 
 
 def parse_storage_options(text: str | dict | None) -> dict:
-    """--checkpoint_storage_options: a JSON object of fsspec options (a dict from Python)."""
+    """--checkpoint_storage_options: a JSON object of fsspec options (a dict from Python). Its text is never repeated
+    in an error: it may hold credentials."""
     if isinstance(text, dict):
         return dict(text)
     if not text:
@@ -54,11 +55,64 @@ def parse_storage_options(text: str | dict | None) -> dict:
     try:
         options = json.loads(text)
     except ValueError as err:
-        raise ArgumentsError(f"--checkpoint_storage_options {text!r} is not JSON ({err}); e.g. "
-                             '\'{"endpoint_url": "http://127.0.0.1:9000"}\'') from None
+        raise ArgumentsError(f"--checkpoint_storage_options is not JSON ({err}; the text is not repeated here, it may "
+                             'hold credentials); e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'') from None
     if not isinstance(options, dict):
-        raise ArgumentsError(f"--checkpoint_storage_options {text!r} must be a JSON object")
+        raise ArgumentsError(f"--checkpoint_storage_options is a JSON {type(options).__name__}, not an object: give "
+                             'one, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'')
     return options
+
+
+HIDDEN = "<hidden>"
+# An fsspec option whose name holds one of these is a credential: s3fs key/secret/token, gcsfs token, adlfs
+# account_key/sas_token/connection_string/client_secret, sshfs password, client_kwargs' aws_*_key*.
+SECRET_NAMES = ("key", "secret", "token", "password", "passwd", "credential", "connection_string")
+
+
+def shown_storage_options(options):
+    """--checkpoint_storage_options as logs, TensorBoard, experiment trackers and `--check` show them: every option
+    named like a credential (SECRET_NAMES, at any depth) reads "<hidden>", as does a password inside a URL; the rest
+    (endpoint_url, region_name, ...) stays, to debug with. Text that is not JSON is hidden whole."""
+    if isinstance(options, str):
+        try:
+            options = json.loads(options) if options.strip() else options
+        except ValueError:
+            return HIDDEN
+    return _shown("", options)
+
+
+def _shown(name, value):
+    if isinstance(value, dict):
+        return {key: _shown(key, item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_shown(name, item) for item in value]
+    if value is not None and any(part in str(name).lower() for part in SECRET_NAMES):
+        return HIDDEN
+    if isinstance(value, str) and "@" in value and "://" in value:
+        from urllib.parse import urlsplit, urlunsplit
+
+        try:
+            parts = urlsplit(value)
+            if parts.password is not None:
+                host = parts.netloc.rsplit("@", 1)[1]
+                return urlunsplit(parts._replace(netloc=f"{parts.username}:{HIDDEN}@{host}"))
+        except ValueError:  # not a URL after all (a bad port, ...)
+            return value
+    return value
+
+
+def shown_flags(flags: list) -> list:
+    """A command line as printed: --checkpoint_storage_options' value through shown_storage_options."""
+    shown, hide_next = [], False
+    for word in map(str, flags):
+        if hide_next:
+            word, hide_next = json.dumps(shown_storage_options(word)), False
+        elif word == "--checkpoint_storage_options":
+            hide_next = True
+        elif word.startswith("--checkpoint_storage_options="):
+            word = "--checkpoint_storage_options=" + json.dumps(shown_storage_options(word.split("=", 1)[1]))
+        shown.append(word)
+    return shown
 
 
 def flag_problems(args) -> list[str]:

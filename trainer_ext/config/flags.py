@@ -23,7 +23,7 @@ from ..errors import ArgumentsError, UserError, closest, debugging, main_process
 from ..runtime import check_fp16_device, check_rank_variables, prepare_cpu_ranks
 from ..sagemaker import prepare_arguments as prepare_sagemaker
 from ..sagemaker import spread_lists
-from .checks import FP16_BACKENDS, FP16_OPT_LEVELS, flag_problems, read_text_flags
+from .checks import FP16_BACKENDS, FP16_OPT_LEVELS, flag_problems, read_text_flags, shown_storage_options
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,24 @@ class ExtTrainingArguments(TrainingArguments):
         prepare_cpu_ranks(self)
         super().__post_init__()
         backend_class(self).arguments_ready(self)
+
+    def to_dict(self):
+        # What TensorBoard's hparams, W&B, MLflow and to_json_string record: credentials in the storage options hidden,
+        # as transformers hides hub_token (the run itself uses self.checkpoint_storage_options, unchanged).
+        values = super().to_dict()
+        if values.get("checkpoint_storage_options"):
+            values["checkpoint_storage_options"] = shown_storage_options(values["checkpoint_storage_options"])
+        return values
+
+    def __str__(self):
+        # transformers' rendering (every field sorted, *_token hidden), the storage options' credentials hidden too.
+        values = {key: f"<{key.upper()}>" if key.endswith("_token") else value
+                  for key, value in dataclasses.asdict(self).items()}
+        if values.get("checkpoint_storage_options"):
+            values["checkpoint_storage_options"] = shown_storage_options(values["checkpoint_storage_options"])
+        return f"{type(self).__name__}(\n" + "".join(f"{key}={value},\n" for key, value in sorted(values.items())) + ")"
+
+    __repr__ = __str__
 
     @property
     def place_model_on_device(self):
