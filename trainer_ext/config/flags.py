@@ -151,8 +151,8 @@ class ExtTrainingArguments(TrainingArguments):
 
         resume = self.resume_from_checkpoint
         if isinstance(resume, str) and resume_request(resume) == PATH and not os.path.isdir(resume):
-            raise CheckpointNotFoundError(f"--resume_from_checkpoint {resume}: no such folder (give a checkpoint-N folder, or "
-                                 "auto for the newest complete one in --output_dir)")
+            raise CheckpointNotFoundError(f"--resume_from_checkpoint {resume}: no such folder (give a checkpoint-N "
+                                          "folder, or auto for the newest complete one in --output_dir)")
 
 
 class ExtArgumentParser(HfArgumentParser):
