@@ -18,6 +18,14 @@ from pathlib import Path
 # ones need: three concurrent one-process run_glue.py runs took 70 s of wall and 139 s of CPU with the default policy,
 # 24 s and 47 s with PASSIVE. The policy changes no arithmetic (the same threads, the same kernels).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# This environment's bin first on PATH, as when it is activated (`make test` runs .venv/bin/python without activating
+# it): torch builds DeepSpeed's ops with the first `ninja` on PATH, and pip's ninja 1.13 and a system 1.11 hash the
+# build commands differently, so each switch rebuilt the ops (25 s for the shared-memory op alone, measured): the
+# SageMaker job (its toolkit needs the bin first to find torchrun) rebuilt them, the next DeepSpeed test rebuilt them
+# back. The product finds its launchers through sys.executable, not PATH, so this hides no lookup of its own.
+_BIN = os.path.dirname(sys.executable)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
+    os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
