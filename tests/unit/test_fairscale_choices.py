@@ -94,23 +94,3 @@ def test_offload_keeps_the_model_where_fsdp_wants_it():
     assert args.place_model_on_device is None  # transformers decides, as before
     args.sharded_ddp = ["zero_dp_2", "offload"]  # only CUDA machines accept it at parse time
     assert args.place_model_on_device is False
-
-
-@pytest.mark.parametrize("options", [["simple"], ["zero_dp_2"], ["zero_dp_3", "offload"]])
-def test_the_loss_probe_goes_through_fsdp_not_the_module_inside(world_of_one, options):
-    """ExtTrainer asks the model once, with a forward outside training, whether its loss reads num_items_in_batch.
-    Outside FSDP's own forward the module inside holds only fp32 shards (with offload: in CPU memory): on an H200 that
-    forward failed under `zero_dp_2 offload` ("index is on cuda:0, different from other tensors on cpu"), and on
-    several ranks it would meet shards. Under FSDP the probe calls the wrapper, which gathers the parameters first."""
-    from fairscale.nn.data_parallel import FullyShardedDataParallel
-
-    from trainer_ext.backends.fairscale import FairScaleBackend
-
-    backend = FairScaleBackend(SimpleNamespace(sharded_ddp=options))
-    inner = torch.nn.Linear(4, 4)
-    if options == ["simple"]:  # ShardedDataParallel leaves whole parameters in the module
-        assert backend.forward_module(inner) is inner
-        return
-    wrapped = FullyShardedDataParallel(inner, **{**fsdp_settings(options, flags(bf16=True)),
-                                                 "compute_device": torch.device("cpu")})
-    assert backend.forward_module(wrapped) is wrapped

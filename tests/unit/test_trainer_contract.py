@@ -17,7 +17,8 @@ from trainer_ext.private_hooks import PrivateTrainerHooks
 pytestmark = pytest.mark.oldest
 
 # ExtTrainer's own methods; anything else it defines must override a Trainer method.
-OWN = {"_custom_loss_requested", "_custom_loss", "_loss_uses_num_items", "training_order_state", "train_in_output_dir"}
+OWN = {"_custom_loss_requested", "_custom_loss", "_learn_whether_loss_reads_num_items", "_parent_computes_loss",
+       "_normalised", "_say_where_token_losses_are_normalised", "training_order_state", "train_in_output_dir"}
 # The private Trainer methods ExtTrainer overrides, each with its reason in private_hooks.py and docs/versions.md
 # ("Supported versions"); everything else rides on public hooks.
 PRIVATE_OVERRIDES = {"_get_output_dir", "_wrap_model", "_clip_grad_norm", "_finalize_training"}

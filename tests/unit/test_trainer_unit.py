@@ -92,15 +92,55 @@ def test_bad_class_weights_are_rejected_at_parse_time(tmp_path):
             ExtTrainingArguments(output_dir=str(tmp_path), class_weights=value)
 
 
+def forwards_counted(model):
+    """A list that gets one entry per forward of `model`."""
+    calls = []
+    model.register_forward_hook(lambda module, args, output: calls.append(1))
+    return calls
+
+
 def test_plain_mean_models_are_told_apart_from_token_count_losses(tmp_path):
-    """The 2x-loss bug: a classifier's loss ignores num_items_in_batch, a causal LM's uses it."""
-    bert, batch = tiny_bert(), fixed_batch()
-    trainer = trainer_for(tmp_path, bert)
-    assert trainer._loss_uses_num_items(bert, dict(batch)) is False
+    """The 2x-loss bug: a classifier's loss ignores num_items_in_batch, a causal LM's divides by it. Learnt inside the
+    first training step with no forward of its own (two extra forwards outside the engine crashed TRL under ZeRO-3)."""
+    bert, batch = tiny_bert().train(), fixed_batch()
+    trainer, forwards = trainer_for(tmp_path, bert), forwards_counted(bert)
+    loss = trainer.compute_loss(bert, dict(batch), num_items_in_batch=torch.tensor(7))
+    assert trainer._model_uses_num_items is False and trainer.model_accepts_loss_kwargs is False
+    assert len(forwards) == 1 and trainer.loss_is_scaled_for_ga is False
+    assert torch.allclose(loss, F.cross_entropy(logits_of(bert, batch), batch["labels"]))  # the batch's own mean
     torch.manual_seed(0)
-    gpt = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16)).eval()
+    gpt = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16, resid_pdrop=0.0,
+                                embd_pdrop=0.0, attn_pdrop=0.0)).train()
     ids = fixed_batch()["input_ids"]
-    assert trainer_for(tmp_path / "lm", gpt)._loss_uses_num_items(gpt, {"input_ids": ids, "labels": ids}) is True
+    trainer, forwards = trainer_for(tmp_path / "lm", gpt), forwards_counted(gpt)
+    loss = trainer.compute_loss(gpt, {"input_ids": ids, "labels": ids}, num_items_in_batch=torch.tensor(7))
+    assert trainer._model_uses_num_items is True and trainer.model_accepts_loss_kwargs is True
+    assert len(forwards) == 1 and trainer.loss_is_scaled_for_ga is None
+    logits = logits_of(gpt, {"input_ids": ids})[:, :-1]
+    expected = F.cross_entropy(logits.reshape(-1, 50), ids[:, 1:].reshape(-1), reduction="sum") / 7
+    assert torch.allclose(loss, expected, atol=1e-5)  # normalised by every rank's targets, as transformers does
+
+
+def test_label_smoothing_shifts_the_labels_of_a_peft_causal_lm(tmp_path):
+    """A LoRA-wrapped causal LM (PeftModelForCausalLM, not a causal-LM class by name) was smoothed on unshifted labels:
+    a silent wrong loss. Each position must be scored against the next token, normalised by num_items_in_batch."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    gpt = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16, resid_pdrop=0.0,
+                                embd_pdrop=0.0, attn_pdrop=0.0))
+    model = peft.get_peft_model(gpt, peft.LoraConfig(r=2, target_modules=["c_attn"], task_type="CAUSAL_LM")).train()
+    ids = fixed_batch()["input_ids"]
+    labels = ids.clone()
+    labels[:, :2] = -100  # a prompt without targets
+    trainer = trainer_for(tmp_path, model, label_smoothing_factor=0.1)
+    loss = trainer.compute_loss(model, {"input_ids": ids, "labels": labels}, num_items_in_batch=torch.tensor(19))
+    log_probs = torch.log_softmax(logits_of(model, {"input_ids": ids})[:, :-1].float(), dim=-1)
+    targets = labels[:, 1:]
+    kept = targets != -100
+    nll = -log_probs.gather(-1, targets.clamp(min=0)[..., None])[..., 0][kept].sum()
+    smooth = -log_probs.mean(dim=-1)[kept].sum()
+    assert torch.allclose(loss, (0.9 * nll + 0.1 * smooth) / 19, atol=1e-6)
+    assert trainer.loss_is_scaled_for_ga is True  # normalised over the accumulated batch: not divided again
 
 
 def test_optimizer_has_no_weight_decay_on_bias_and_layernorm(tmp_path):
@@ -143,7 +183,8 @@ def test_settings_from_dict_reject_unknown_keys():
 def test_label_smoothing_on_a_causal_lm_shifts_labels(tmp_path):
     """Token-level custom losses must predict token t+1 from t, as the model's own loss does."""
     torch.manual_seed(0)
-    gpt = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16)).eval()
+    gpt = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16, resid_pdrop=0.0,
+                                embd_pdrop=0.0, attn_pdrop=0.0)).eval()
     ids = fixed_batch()["input_ids"]
     loss = trainer_for(tmp_path, gpt, label_smoothing_factor=0.1).compute_loss(gpt, {"input_ids": ids, "labels": ids})
     with torch.no_grad():

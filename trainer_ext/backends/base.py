@@ -122,11 +122,6 @@ class Backend:
         """The user's model inside this backend's wrapper."""
         return model
 
-    def forward_module(self, model):
-        """The module to call for a forward outside training's own (ExtTrainer's probe of the model's loss): the
-        user's model, unless this backend's wrapper holds the parameters only during its own forward."""
-        return self.unwrap(model)
-
     def on_train_begin(self, trainer) -> None:
         """After transformers wrapped and prepared the model and optimizer, before the first step."""
 

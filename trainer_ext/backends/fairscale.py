@@ -130,12 +130,6 @@ class FairScaleBackend(Backend):
         model = model.module if isinstance(model, (ShardedDataParallel, FullyShardedDataParallel)) else model
         return getattr(model, "_orig_mod", model)  # --torch_compile
 
-    def forward_module(self, model):
-        """FSDP keeps its parameters as fp32 shards (with offload: in CPU memory) outside its own forward: the user's
-        module called directly met CPU weights on an H200 ("index is on cuda:0, different from other tensors on
-        cpu"), and on several ranks would meet shards; called through the wrapper, they are gathered first."""
-        return model if self.fully_sharded else self.unwrap(model)
-
     # -- steps and checkpoints -------------------------------------------------------------------------
     def clip_grad_norm(self, trainer, model, max_norm: float):
         """A norm over all shards: every rank gets the same total norm and the same clipping factor. Under --fp16 the

@@ -1,0 +1,34 @@
+"""TRL's trainers with ExtTrainer's guarantees: `ExtSFTTrainer` is `class ExtSFTTrainer(ExtTrainer, SFTTrainer)` and
+`ExtSFTConfig` the arguments both read (ExtTrainingArguments' flags and checks, SFTConfig's fields and defaults).
+Needs trl (`pip install "trainer_ext[trl]"`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UserError
+
+try:
+    from trl import SFTConfig, SFTTrainer
+except ImportError as err:  # a one-line error at the boundary, not a traceback
+    raise UserError(f"trainer_ext.trl needs TRL, which cannot be imported ({err}): pip install \"trainer_ext[trl]\"") \
+        from None
+
+from .config.flags import ExtTrainingArguments
+from .trainer import ExtTrainer
+
+
+@dataclass
+class ExtSFTConfig(ExtTrainingArguments, SFTConfig):
+    """ExtTrainingArguments plus every SFTConfig field (max_length, packing, completion_only_loss, ...), with TRL's
+    defaults (learning rate 2e-5, logging every 10 steps, gradient checkpointing on, bf16 unless fp16)."""
+
+    def __post_init__(self):
+        if self.bf16 is None:  # TRL's default, settled before our checks and the DeepSpeed file read it
+            self.bf16 = not self.fp16
+        super().__post_init__()
+
+
+class ExtSFTTrainer(ExtTrainer, SFTTrainer):
+    """TRL's SFTTrainer (datasets, chat templates, packing, completion-only loss, its metrics) trained and checkpointed
+    by ExtTrainer on any backend."""
