@@ -49,7 +49,7 @@ $(OLDEST_PY):
 
 $(OLDEST_STAMP): $(OLDEST_PY) setup.py constraints/oldest.txt
 	$(OLDEST_PY) -c "import torch" 2>/dev/null || $(OLDEST_PY) -m pip install torch==2.13.0
-	$(OLDEST_PY) -m pip install -e ".[test]" -c constraints/oldest.txt
+	$(OLDEST_PY) -m pip install -e ".[test-core]" -c constraints/oldest.txt
 	touch $(OLDEST_STAMP)
 
 test-oldest: $(OLDEST_STAMP)
