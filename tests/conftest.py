@@ -471,8 +471,15 @@ class SharedRuns:
     reads the single and DDP runs launches no DeepSpeed). They live in the workers' shared folder: the first worker
     to read a run launches it, another reading it meanwhile waits for it, a failed run fails every reader."""
 
-    def __init__(self, name, runs):
-        self.name, self.runs = name, runs
+    def __init__(self, name, runs, script=GLUE):
+        self.name, self.runs, self.script = name, runs, script
+
+    def together(self, *names) -> list:
+        """Several runs, launched two at a time (each mostly start-up on one core: CI's 2 cores run two)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(self.__truediv__, names))
 
     def __truediv__(self, name):
         with shared_once(f"{self.name}-{name}") as output_dir:
@@ -482,7 +489,7 @@ class SharedRuns:
             if not output_dir.exists():
                 kind, *flags = self.runs[name]
                 try:
-                    launch(kind, output_dir, *flags)
+                    launch(kind, output_dir, *flags, script=self.script)
                 except AssertionError as error:
                     failed.write_text(str(error))
                     raise
@@ -509,6 +516,36 @@ def accumulate_runs():
         "zero2": ["deepspeed", *ACCUMULATE, "--per_device_train_batch_size", 4, "--deepspeed", "zero2_minimal",
                   "--save_strategy", "steps", "--save_steps", 3],
     })
+
+
+# tests/scripts/tiny_llm.py: a tiny Llama (GQA, SwiGLU, untied embeddings) fine-tuned on seeded chat-like samples of
+# 10-49 tokens, completion-only labels, fp32. TRL's SFTTrainer: stock (--stock) or combined with ExtTrainer.
+TINY_LLM = REPO / "tests" / "scripts" / "tiny_llm.py"
+# 4 steps of 8 samples; eval on 21 samples, whose last global batch accelerate pads on 2 ranks.
+TRL = ["--trl", "--do_train", "--max_steps", 4, "--learning_rate", "1e-3", "--save_strategy", "no", "--bf16", "false",
+       "--gradient_checkpointing", "false", "--completion_only_loss", "true", "--eval_samples", 21]
+TRL_BACKENDS = {"ddp": [], "fsdp2": ["--fsdp", "full_shard auto_wrap", "--fsdp_config",
+                                     '{"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}'],
+                "simple": ["--sharded_ddp", "simple"], "zero2": ["--deepspeed", "zero2_minimal"],
+                "zero3": ["--deepspeed", "zero3"]}
+
+
+@pytest.fixture(scope="session")
+def trl_runs():
+    """TRL's SFTTrainer on the tiny Llama: stock on one process (also with LoRA), and `ExtSFTTrainer` (ExtTrainer
+    combined with it) on 2 ranks under each backend, every one on the same global batch of 8; evaluated with another
+    eval batch size each."""
+    def on_ranks(backend, eval_batch, *flags):
+        kind = "launch" if backend == "simple" else "torchrun"  # ZeRO under torchrun --deepspeed: ~3 s less CPU
+        return [kind, *TRL, "--per_device_train_batch_size", 4, "--per_device_eval_batch_size", eval_batch,
+                *TRL_BACKENDS[backend], *flags]
+
+    single = ["single", "--stock", *TRL, "--per_device_train_batch_size", 8, "--per_device_eval_batch_size", 8]
+    return SharedRuns("trl", {
+        "stock": single, "stock_lora": [*single, "--lora"],
+        "ddp": on_ranks("ddp", 3), "fsdp2": on_ranks("fsdp2", 4), "simple": on_ranks("simple", 5),
+        "zero2": on_ranks("zero2", 6), "zero3_lora": on_ranks("zero3", 4, "--lora"),
+    }, script=TINY_LLM)
 
 
 def assert_same_training(base, other, steps):

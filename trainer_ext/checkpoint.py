@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 MARKER = "checkpoint_complete.json"
 DATA_STATE = "data_state.json"  # where the training order stands (samples consumed); see data/samplers.py
+LOSS_STATE = "loss_state.json"  # the sum of every step's training loss up to the checkpoint (the run's train_loss)
 STAGING = ".staging"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 CHECKSUM = "xxh3_64"  # ~10 GB/s in memory: a checkpoint is hashed at the speed it is read
@@ -193,6 +194,29 @@ def read_data_state(checkpoint) -> dict | None:
     """The saved position in the training order, or None for checkpoints written without it (stock transformers)."""
     path = Path(checkpoint) / DATA_STATE
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def read_loss_sum(checkpoint) -> float | None:
+    """The sum of the training losses of steps 1..N of checkpoint-N: from its loss_state.json, else from the losses
+    its trainer_state.json logged when the last log was at step N (a checkpoint stock transformers wrote); None when
+    neither tells it."""
+    checkpoint = Path(checkpoint)
+    try:
+        recorded = json.loads((checkpoint / LOSS_STATE).read_text())
+        return float(recorded["loss_sum"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    logged = [(row["step"], row["loss"]) for row in state.get("log_history", []) if "loss" in row and "step" in row]
+    if not logged or logged[-1][0] != state.get("global_step"):
+        return None
+    total, previous = 0.0, 0
+    for step, loss in logged:  # each logged loss is the mean of the steps since the previous log
+        total, previous = total + loss * (step - previous), step
+    return total
 
 
 def staging_dir(output_dir) -> Path:

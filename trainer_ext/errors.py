@@ -27,6 +27,11 @@ class UserFileNotFoundError(UserError, FileNotFoundError):
     """A file or folder the user named (or asked us to find) is not there: `except FileNotFoundError` catches it too."""
 
 
+class MissingLibraryError(UserError, ImportError):
+    """An optional library a feature needs is not installed; the message gives the pip command (`except ImportError`
+    catches it too)."""
+
+
 def closest(word, choices, cutoff: float = 0.6) -> str | None:
     """The valid choice a mistyped word most likely meant (for "did you mean ...?"), or None."""
     hits = difflib.get_close_matches(str(word), [str(choice) for choice in choices], n=1, cutoff=cutoff)

@@ -32,9 +32,16 @@ class PrivateTrainerHooks:
     def _finalize_training(self, trial, num_train_samples, start_time):
         # transformers adds the loss accumulated since the last log as this rank's own, so the final train_loss
         # depended on --logging_steps and on rank 0's batches; the mean over ranks is what a single process logs.
+        # And it averages only this call's steps: after a resume, the sum it divides is made the whole run's.
         # (The only place the remainder is added before train_loss is computed.)
         from transformers.trainer_pt_utils import nested_gather
 
         if self.args.world_size > 1:
             self._tr_loss = nested_gather(self._tr_loss, self.args.parallel_mode).mean()
+        earlier = self._resume.get("loss_sum") if self._resume is not None else None
+        if earlier is not None and self.state.global_step > 0:
+            unlogged = self._tr_loss.item()
+            whole_run = (earlier + self._total_loss_scalar + unlogged) / self.state.global_step
+            steps_now = self.state.global_step - self._initial_global_step
+            self._total_loss_scalar = whole_run * max(steps_now, 0.001) - unlogged
         return super()._finalize_training(trial, num_train_samples, start_time)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .checkpoint import (AUTO, DATA_STATE, FRESH, MARKER, NEWEST, CheckpointError, CheckpointNotFoundError,
-                         check_compatible, damage, newest_valid_checkpoint, problem_with, publish,
+from .checkpoint import (AUTO, DATA_STATE, FRESH, LOSS_STATE, MARKER, NEWEST, CheckpointError, CheckpointNotFoundError,
+                         check_compatible, damage, newest_valid_checkpoint, problem_with, publish, read_loss_sum,
                          relaid_weights, resume_request, rotate, staging_dir, valid_checkpoints)
 from .sagemaker import checkpoints_to_keep
 
@@ -149,8 +149,9 @@ class RunCheckpoints(TrainerCallback):
         if trainer.is_world_process_zero():
             print(f"trainer_ext: training already complete at step {state.global_step} ({checkpoint}): nothing to "
                   f"train; the model is in {where}", flush=True)
-        losses = [row["train_loss"] for row in state.log_history if "train_loss" in row]
-        return TrainOutput(state.global_step, losses[-1] if losses else float("nan"), {"already_complete": True})
+        loss_sum = read_loss_sum(checkpoint)  # the checkpoint is written before train_loss is logged
+        train_loss = loss_sum / state.global_step if loss_sum is not None and state.global_step else float("nan")
+        return TrainOutput(state.global_step, train_loss, {"already_complete": True, "train_loss": train_loss})
 
     # -- while training --------------------------------------------------------------------------------------------
     def stage(self, run_dir) -> str:
@@ -166,21 +167,26 @@ class RunCheckpoints(TrainerCallback):
             return
         staged = staging_dir(self.run_dir) / f"checkpoint-{state.global_step}"
         trainer = self.trainer
+        loss_sum = trainer.training_loss_sum()  # every rank: the loss not yet logged is a mean over ranks
         trainer.accelerator.wait_for_everyone()  # every rank has written its part
         if args.should_save and staged.is_dir():
-            self.publish_staged(staged, self.run_dir)
+            self.publish_staged(staged, self.run_dir, loss_sum)
         trainer.accelerator.wait_for_everyone()
         # Every rank's own record (each loads the best checkpoint at the end), as transformers keeps it on each.
         state.best_model_checkpoint = best_checkpoint(state, self.run_dir, staged)
 
-    def publish_staged(self, staged: Path, run_dir: Path) -> Path:
-        """The main process's part once every rank wrote into `staged`: the training order's position, the best
-        checkpoint under its published path, the marker (published last, by rename), rotation, the remote copy."""
+    def publish_staged(self, staged: Path, run_dir: Path, loss_sum: float | None = None) -> Path:
+        """The main process's part once every rank wrote into `staged`: the training order's position, the losses
+        so far, the best checkpoint under its published path, the marker (published last, by rename), rotation, the
+        remote copy."""
         trainer, state = self.trainer, self.trainer.state
         name = staged.name
         position = trainer.training_order_state()
         if position is not None:
             (staged / DATA_STATE).write_text(json.dumps(position, indent=2) + "\n")
+        if loss_sum is not None:
+            (staged / LOSS_STATE).write_text(json.dumps({"global_step": state.global_step, "loss_sum": loss_sum},
+                                                        indent=2) + "\n")
         best = best_checkpoint(state, run_dir, staged)
         if best != state.best_model_checkpoint:  # transformers looked for it in the staging folder
             state.best_model_checkpoint = best

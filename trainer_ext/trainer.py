@@ -16,7 +16,7 @@ from transformers.trainer_pt_utils import find_batch_size
 
 from . import progress
 from .backends import select_backend
-from .checkpoint import AUTO, newest_valid_checkpoint, read_data_state, resume_request
+from .checkpoint import AUTO, newest_valid_checkpoint, read_data_state, read_loss_sum, resume_request
 from .data.loader import dataloader_with_batch_sampler, stream_dataloader
 from .data.samplers import ResumableBatchSampler, check_global_batch
 from .data.stream import TrainingStream, is_stream
@@ -28,6 +28,7 @@ from .output_dir import hold_output_dir, release_output_dir
 from .preemption import Preempted, PreemptionCallback
 from .private_hooks import PrivateTrainerHooks
 from .run_checkpoints import RunCheckpoints, checkpoint_folder
+from .sagemaker import save_final_model
 from .process_setup import prepare_process
 from .runtime import check_process_group, release_at_exit
 from .search.callback import trial_callback
@@ -41,8 +42,9 @@ LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 class ExtTrainer(PrivateTrainerHooks, Trainer):
     """`Trainer` plus:
 
-    - `loss_fn(outputs, labels) -> loss`: replaces the model's loss (no subclass needed);
-    - `class_weights` (or `--class_weights 1.0,3.0`) and `--label_smoothing_factor` for classification;
+    - `loss_fn(outputs, labels) -> loss`: replaces the model's loss (no subclass needed); one that names a
+      `num_items_in_batch` parameter gets the targets of every rank and micro-batch and divides its sum by them;
+    - `class_weights` (or `--class_weights 1.0,3.0`) for classification, `--label_smoothing_factor` for any labels;
     - `optimizer_settings` / `scheduler_settings`: the optimizer and schedule, from flags by default.
 
     A mistake in what it is given raises a `trainer_ext.errors.UserError` (a ValueError; FileNotFoundError too for a
@@ -53,6 +55,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                  class_weights=None, optimizer_settings: OptimizerSettings | None = None,
                  scheduler_settings: SchedulerSettings | None = None, **kwargs):
         install_excepthook()
+        _check_trl_arguments(type(self), args)
         prepare_process(args)  # the process set-up the arguments leave to training (once: sharded_loading may have)
         self.backend = select_backend(args)
         if args is not None:
@@ -69,7 +72,8 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self._model_uses_num_items = None  # whether the loss reads num_items_in_batch: learnt in the first step
         self._said_token_normalisation = False
         self._train_order = None  # the training order (batch sampler or stream); its position goes in every checkpoint
-        self._resume = None  # {"checkpoint", "step", "state"}: the checkpoint resumed, its step and data position
+        self._resume = None  # {"checkpoint", "step", "state", "loss_sum"}: the checkpoint resumed, its step, data
+        # position and summed training loss
         self._learning_rate_in_use = None  # the rate of the step being trained, where the backend knows it better
         self._evaluation_model = None  # the backend's engine for an evaluation (see evaluation_loop)
         self._evaluation_losses = None  # the token-weighted loss of the evaluation running (see evaluation_loop)
@@ -80,6 +84,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         for callback in self.backend.callbacks(self):
             self.add_callback(callback)
         self.training_already_complete = None  # the checkpoint a re-run found complete (train() then trains nothing)
+        self.final_model_dir = None  # where train() saved the final model itself (a SageMaker job's SM_MODEL_DIR)
         self.compute_metrics = checked_compute_metrics(self)  # not a dict of numbers: one line, progress saved
         self.preemption = PreemptionCallback()
         self.add_callback(self.preemption)
@@ -87,6 +92,10 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         if self.search_trial is not None:
             self.add_callback(self.search_trial)
         progress.install(self)  # main process: bar with samples/s and ETA; resolved settings printed at start
+        if self.args.include_num_input_tokens_seen == "all" and self.is_world_process_zero():
+            logger.warning("include_num_input_tokens_seen='all' counts the padding of every batch, which depends on how "
+                           "each rank's batches are padded (another number of ranks, another count): 'non_padding' "
+                           "counts the samples' own tokens (ExtTrainingArguments reads True so)")
 
     # -- losses ----------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -263,6 +272,20 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self._train_order = order
         return dataloader
 
+    def training_loss_sum(self) -> float | None:
+        """The sum of every step's training loss (each the mean over ranks) from step 1 to now, as the checkpoint saved
+        now records it so that a resumed run's train_loss covers the whole run; None when a resumed checkpoint did not
+        record its own. Every rank calls it (the loss not yet logged is gathered)."""
+        if not hasattr(self, "_tr_loss"):  # transformers' running sums of this train() call
+            return None
+        from transformers.trainer_pt_utils import nested_gather
+
+        unlogged = self._tr_loss
+        if self.args.world_size > 1:
+            unlogged = nested_gather(unlogged, self.args.parallel_mode).mean()
+        earlier = self._resume["loss_sum"] if self._resume is not None else 0.0
+        return None if earlier is None else earlier + self._total_loss_scalar + unlogged.item()
+
     def training_order_state(self) -> dict | None:
         """Where the training order stands after the current step (saved with each checkpoint)."""
         return self._train_order.state_dict(self.state.global_step) if self._train_order is not None else None
@@ -309,6 +332,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         error when there is none), False none, a path that one. A SIGTERM/SIGINT ends the run after a checkpoint,
         with `Preempted` (exit status 128 + signal); running the same command again continues exactly."""
         self.training_already_complete, self._resume, self._learning_rate_in_use = None, None, None
+        self.final_model_dir = None
         hold_output_dir(self)  # not the model's own folder, and no other run writing there (output_dir.py)
         try:
             return self.train_in_output_dir(resume_from_checkpoint, **kwargs)
@@ -329,12 +353,19 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             finished = self.checkpoints.already_complete(checkpoint, max_steps)
             if finished is not None:
                 self.training_already_complete = Path(checkpoint)
+                # A job stopped between its last step and the model's save: its finished model into SM_MODEL_DIR.
+                self.final_model_dir = save_final_model(self, finished_before=True)
                 return finished
             if self.is_world_process_zero():
                 logger.warning("resuming from %s%s", checkpoint, " (pass --fresh_start to start over)"
                                if resume_request(resume_from_checkpoint) == AUTO else "")
             state = read_data_state(checkpoint) if not self.args.ignore_data_skip else None
-            self._resume = {"checkpoint": checkpoint, "step": resumed_step(checkpoint), "state": state}
+            self._resume = {"checkpoint": checkpoint, "step": resumed_step(checkpoint), "state": state,
+                            "loss_sum": read_loss_sum(checkpoint)}
+            if self._resume["loss_sum"] is None and self.is_world_process_zero():
+                logger.warning("resuming from %s, which records no training loss before its step %d (written by stock "
+                               "transformers, logging elsewhere): train_loss will cover the steps trained from here",
+                               checkpoint, self._resume["step"])
         self.backend.before_train(self, checkpoint)
         self.preemption.install()
         try:
@@ -351,6 +382,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         if self.is_world_process_zero():
             Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
             self.backend.save_settings(self.args.output_dir)
+        self.final_model_dir = save_final_model(self)  # a SageMaker job's model.tar.gz is never left empty
         return result
 
 
@@ -379,6 +411,19 @@ class TrainingHooks(TrainerCallback):
 def resumed_step(checkpoint) -> int:
     """The optimizer step a checkpoint was saved at (its trainer_state.json)."""
     return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text()).get("global_step", 0))
+
+
+def _check_trl_arguments(trainer_class, args) -> None:
+    """A trainer combining ExtTrainer with one of TRL's reads TRL's arguments class too: given ExtTrainingArguments
+    alone, TRL rebuilt them as its own and failed on our fields (`unexpected keyword argument 'sharded_ddp'`)."""
+    trl_trainer = next((cls for cls in trainer_class.__mro__ if cls.__module__.split(".")[0] == "trl"), None)
+    if trl_trainer is None or args is None or any(cls.__module__.split(".")[0] == "trl" for cls in type(args).__mro__):
+        return
+    config = trl_trainer.__name__.replace("Trainer", "Config")
+    shipped = " (trainer_ext.trl.ExtSFTConfig is that class)" if config == "SFTConfig" else ""
+    raise UserError(f"{trainer_class.__name__} combines ExtTrainer with TRL's {trl_trainer.__name__}, which reads its "
+                    f"own arguments class: pass a class deriving from both ExtTrainingArguments and trl.{config}"
+                    f"{shipped}, not {type(args).__name__}")
 
 
 def _check_class_weights(weights, loss_fn, model) -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import UserError
+from .errors import MissingLibraryError
 
 try:
     from trl import SFTConfig, SFTTrainer
-except ImportError as err:  # a one-line error at the boundary, not a traceback
-    raise UserError(f"trainer_ext.trl needs TRL, which cannot be imported ({err}): pip install \"trainer_ext[trl]\"") \
-        from None
+except ImportError as err:  # one line at the boundary, not a traceback
+    raise MissingLibraryError(f"trainer_ext.trl needs TRL, which cannot be imported ({err}): pip install "
+                              "\"trainer_ext[trl]\"") from None
 
 from .config.flags import ExtTrainingArguments
 from .trainer import ExtTrainer

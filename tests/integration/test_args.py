@@ -1,12 +1,13 @@
 """ExtTrainingArguments: v4 flags, validation at parse time, and parsing under the real launchers."""
 
+import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-from conftest import BIN, PYTHON, REPO, free_port, run, run_many, selected
+from conftest import BIN, PYTHON, REPO, free_port, run, run_many, selected, tiny_bert
 from trainer_ext import ArgumentsError, ExtTrainingArguments
 from trainer_ext import ExtArgumentParser
 from trainer_ext.backends.fairscale import parse_options as parse_sharded_ddp
@@ -78,6 +79,83 @@ def test_apex_backend_needs_apex(tmp_path):
     """--fp16_backend apex without apex installed must stop at parse time with the install hint, not mid-setup."""
     with pytest.raises(ArgumentsError, match="apex is not installed"):
         ExtTrainingArguments(output_dir=str(tmp_path), fp16_backend="apex")
+
+
+# Packages absent from this environment (checked, never mocked): each flag's value needs one of them.
+NEEDS_A_MISSING_PACKAGE = [
+    (["--use_liger_kernel"], "liger_kernel",
+     "--use_liger_kernel true: needs liger_kernel, which is not installed: pip install liger-kernel"),
+    (["--optim", "adamw_bnb_8bit"], "bitsandbytes",
+     "--optim adamw_bnb_8bit: needs bitsandbytes, which is not installed: pip install bitsandbytes"),
+    (["--report_to", "wandb"], "wandb", "--report_to wandb: needs wandb, which is not installed: pip install wandb"),
+]
+
+
+def absent(*modules):
+    for module in modules:
+        if importlib.util.find_spec(module) is not None:
+            pytest.skip(f"{module} is installed here: the check needs it absent")
+
+
+@pytest.mark.parametrize("argv,module,message", NEEDS_A_MISSING_PACKAGE,
+                         ids=[module for _, module, _ in NEEDS_A_MISSING_PACKAGE])
+def test_a_flag_whose_package_is_missing_stops_at_parsing_in_one_line(tmp_path, capsys, argv, module, message):
+    """--use_liger_kernel, an --optim or a --report_to whose package is not installed would end in transformers'
+    ImportError traceback once the data and model are loaded; it must be one line with the pip command, exit 2."""
+    absent(module)
+    with pytest.raises(SystemExit) as stopped:
+        ExtArgumentParser(ExtTrainingArguments, prog="train.py").parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), *argv])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[0] == f"train.py: error: {message}"
+
+
+def test_every_missing_package_is_named_at_once_in_training_not_in_ds_config(tmp_path, capsys):
+    """Each missing package found by its own failed run; and `trainer-ext ds-config`, which renders a GPU cluster's
+    config on a login node, refusing flags for packages only the training machines need."""
+    from trainer_ext import cli
+
+    absent(*(module for _, module, _ in NEEDS_A_MISSING_PACKAGE))
+    argv = [word for flags, _, _ in NEEDS_A_MISSING_PACKAGE for word in flags]
+    with pytest.raises(ArgumentsError) as refused:
+        ExtTrainingArguments(output_dir=str(tmp_path), use_liger_kernel=True, optim="adamw_bnb_8bit",
+                             report_to=["wandb"])
+    assert str(refused.value).splitlines() == [message for _, _, message in NEEDS_A_MISSING_PACKAGE]
+    assert cli.main(["ds-config", "--deepspeed", "zero2_minimal", *argv]) in (0, None)
+    assert json.loads(capsys.readouterr().out)["zero_optimization"]["stage"] == 2
+
+
+def test_the_optim_table_knows_every_transformers_optimizer_and_its_package(tmp_path):
+    """A transformers release adding an --optim that needs a package (or moving one) would slip past the check: every
+    OptimizerNames value is in the table or needs nothing (transformers builds it here), and each one the table says
+    needs a package that is absent here fails in transformers itself, naming that package."""
+    from transformers import Trainer, TrainingArguments
+    from transformers.training_args import OptimizerNames
+
+    from trainer_ext.config.checks import OPTIM_IN_TORCH, OPTIM_PACKAGES
+
+    names = {name.value for name in OptimizerNames}
+    assert not set(OPTIM_PACKAGES) & set(OPTIM_IN_TORCH)
+    assert names == set(OPTIM_PACKAGES) | set(OPTIM_IN_TORCH), names ^ (set(OPTIM_PACKAGES) | set(OPTIM_IN_TORCH))
+    model = tiny_bert()
+    for name in sorted(names):
+        args = TrainingArguments(output_dir=str(tmp_path), optim=name, use_cpu=True, report_to="none")
+        package = OPTIM_PACKAGES.get(name)
+        if package is None:
+            Trainer.get_optimizer_cls_and_kwargs(args, model)  # torch's or transformers' own: builds here
+        elif package.missing():
+            with pytest.raises((ImportError, ValueError)) as failed:
+                Trainer.get_optimizer_cls_and_kwargs(args, model)
+            assert any(word in str(failed.value) for word in (*package.modules, package.install.split()[-1])), name
+
+
+def test_the_report_to_table_knows_every_transformers_integration():
+    """A transformers release adding a --report_to integration would leave its package unchecked."""
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    from trainer_ext.config.checks import REPORT_TO_PACKAGES
+
+    assert set(INTEGRATION_TO_CALLBACK) - {"kubeflow"} == set(REPORT_TO_PACKAGES)  # kubeflow: a variable, not a package
 
 
 def test_warmup_ratio_is_the_transformers_5_float_warmup(tmp_path):

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, REPO, _check_markers, clean_env, free_port, logged, max_weight_difference, run
+from conftest import (BIN, REPO, _check_markers, clean_env, free_port, logged, max_weight_difference, run,
+                      tiny_bert)
 
 from trainer_ext import sagemaker
 from trainer_ext.checkpoint import MARKER, checkpoint_step, newest_valid_checkpoint
@@ -181,10 +182,12 @@ def flags(hyperparameters: dict) -> list[str]:
 @pytest.mark.model_package
 def test_walkthrough_qa_job_equals_torchrun_and_leaves_the_model_in_sm_model_dir(tmp_path):
     """The walkthrough's job (data from the train/validation channels, --output_dir /opt/ml/model) would score other
-    EM/F1 than the same run under torchrun, lose the model, or tar every checkpoint into model.tar.gz."""
+    EM/F1 than the same run under torchrun, lose the model, tar every checkpoint into model.tar.gz, or have the recipe
+    write again the model train() saved there."""
     root = tmp_path / "job"
     data = {"train": [REPO / "data" / "qa" / "train.json"], "validation": [REPO / "data" / "qa" / "validation.json"]}
-    out = run_job(root, QA, {**WALKTHROUGH, "output_dir": str(root / "model")}, channels=data)
+    # --log_level info: transformers logs each save ("Saving model checkpoint to <folder>"), so saves can be counted.
+    out = run_job(root, QA, {**WALKTHROUGH, "output_dir": str(root / "model"), "log_level": "info"}, channels=data)
     direct = run([BIN / "torchrun", "--nproc_per_node", 2, "--master_port", free_port(), QA, "--output_dir",
                   tmp_path / "direct", "--train_file", data["train"][0], "--validation_file", data["validation"][0],
                   *flags(WALKTHROUGH)], timeout=900)
@@ -198,6 +201,11 @@ def test_walkthrough_qa_job_equals_torchrun_and_leaves_the_model_in_sm_model_dir
         assert (model / name).is_file(), name
     assert not list(model.glob("checkpoint-*")) and (root / "checkpoints" / "checkpoint-4" / MARKER).is_file()
     assert "validation after training: exact match" in out.stdout
+    log = out.stdout + out.stderr
+    assert f"SageMaker job: the final model is saved in {model} (uploaded as model.tar.gz" in log
+    saves = [line.split("Saving model checkpoint to ")[-1] for line in log.splitlines()
+             if "Saving model checkpoint to " in line]  # each save logged once per handler: checkpoint-4's is one
+    assert saves.count(str(model)) == sum(save.endswith("checkpoint-4") for save in saves) > 0, "saved twice"
 
 
 # -- a user's own script, DeepSpeed and several hosts inside a job -----------------------------------------------------
@@ -205,12 +213,21 @@ def test_walkthrough_qa_job_equals_torchrun_and_leaves_the_model_in_sm_model_dir
 def test_own_script_without_output_dir_leaves_its_results_where_sagemaker_uploads_them(tmp_path):
     """A script with stock TrainingArguments given no --output_dir would write into trainer_output/ in the code folder
     (never uploaded: the job's result lost), checkpoints outside the synced folder, TensorBoard outside the output;
-    --save_total_limit 1 would leave S3 a moment with only an unfinished upload."""
+    --save_total_limit 1 would leave S3 a moment with only an unfinished upload; a script that never calls save_model()
+    would end with an empty model.tar.gz (the final weights only in checkpoints, kept only with checkpoint_s3_uri)."""
+    from transformers import BertForSequenceClassification
+
     root = tmp_path / "job"
-    run_job(root, OWN_SCRIPT, {"max_steps": 6, "save_steps": 3, "save_total_limit": 1, "logging_steps": 1,
-                               "per_device_train_batch_size": 8, "use_cpu": True, "report_to": "tensorboard",
-                               "disable_tqdm": True})
+    out = run_job(root, OWN_SCRIPT, {"max_steps": 6, "save_steps": 3, "save_total_limit": 1, "logging_steps": 1,
+                                     "per_device_train_batch_size": 8, "use_cpu": True, "report_to": "tensorboard",
+                                     "disable_tqdm": True})
     assert len(json.loads((root / "model" / "results.json").read_text())["losses"]) == 6
+    model = root / "model"
+    assert BertForSequenceClassification.from_pretrained(model).config.num_labels == 2
+    assert max_weight_difference(model, root / "checkpoints" / "checkpoint-6") == 0  # the final weights
+    log = out.stdout + out.stderr
+    assert f"output_dir is {model} (SM_MODEL_DIR): ExtTrainer saves the final model there when training ends" in log
+    assert log.count(f"trainer_ext: SageMaker job: the final model is saved in {model} (uploaded as model.tar.gz") == 1
     assert not (root / "code" / "trainer_output").exists()
     assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["checkpoint-3", "checkpoint-6"]
     assert newest_valid_checkpoint(root / "checkpoints").name == "checkpoint-6"
@@ -314,6 +331,35 @@ def test_job_places_model_checkpoints_and_tensorboard(in_job, monkeypatch):
     assert args.output_dir == "elsewhere" and args.checkpoint_dir == "/ckpt"
     assert parse(["--checkpoint_dir", str(in_job / "mine")]).checkpoint_dir == str(in_job / "mine")
     assert sagemaker.checkpoints_to_keep(1) == 2 and sagemaker.checkpoints_to_keep(3) == 3
+
+
+def test_the_final_model_reaches_sm_model_dir_but_never_over_the_scripts(in_job, capsys):
+    """A re-run of a finished job (stopped between its last step and the model's save) would leave model.tar.gz empty,
+    fill it with the checkpoint's optimizer state, or write over a model the script saved (it may have changed it
+    since); the end of training would not save; an output_dir of the user's elsewhere would get a save unasked."""
+    from trainer_ext import ExtTrainer, ExtTrainingArguments
+
+    trainer = ExtTrainer(model=tiny_bert(), args=ExtTrainingArguments(report_to="none", use_cpu=True))
+    model, checkpoint = in_job / "model", in_job / "checkpoints" / "checkpoint-6"
+    assert trainer.args.output_dir == str(model)
+    trainer.save_model(str(checkpoint))
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state_0.pth", "trainer_state.json", "data_state.json",
+                 "checkpoint_complete.json", "latest", "zero_to_fp32.py", "zero_to_torch.py"):
+        (checkpoint / name).write_text("training state")
+    (checkpoint / "global_step6").mkdir()
+    trainer.training_already_complete = checkpoint
+    assert sagemaker.save_final_model(trainer, finished_before=True) == model
+    assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors", "training_args.bin"]
+    assert max_weight_difference(model, checkpoint) == 0
+    assert f"the finished run's model ({checkpoint}) is copied to {model}" in capsys.readouterr().out
+    (model / "model.safetensors").write_bytes(b"the script's own model")
+    assert sagemaker.save_final_model(trainer, finished_before=True) == model
+    assert (model / "model.safetensors").read_bytes() == b"the script's own model" and not capsys.readouterr().out
+    assert sagemaker.save_final_model(trainer) == model  # training has just ended: its model is the final one
+    assert max_weight_difference(model, checkpoint) == 0
+    assert f"the final model is saved in {model}" in capsys.readouterr().out
+    trainer.args.output_dir = str(in_job / "mine")
+    assert sagemaker.save_final_model(trainer) is None and not (in_job / "mine").exists()
 
 
 @pytest.mark.fairscale

@@ -34,6 +34,8 @@ own.add_argument("--stock", action="store_true")
 own.add_argument("--flatten", action="store_true")
 own.add_argument("--num_samples", type=int, default=96)
 own.add_argument("--eval_samples", type=int, default=0)
+own.add_argument("--report_dir")  # each rank's model-state and activation bytes (benchmarks/memory.py)
+own.add_argument("--packed_length", type=int, default=0)  # with --report_dir: samples packed into rows this long
 mine, rest = own.parse_known_args()
 
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
@@ -130,6 +132,17 @@ else:
     trainer = trainer_class(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
                             data_collator=collator)
 
+if mine.report_dir:  # bytes measured at step 2 (benchmarks/memory.py), written to <report_dir>/rank<R>.json
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from memory import ActivationReport, ModelStateReport
+
+    report = ModelStateReport(mine.report_dir)
+    trainer.add_callback(report)
+    trainer.add_callback(ActivationReport(report.record))
+    if mine.packed_length:  # the samples concatenated and cut into rows of one length, as packing does: no padding
+        ids, length = [token for row in train_rows for token in row["input_ids"]], mine.packed_length
+        trainer.train_dataset = [{"input_ids": ids[start:start + length], "labels": ids[start:start + length]}
+                                 for start in range(0, len(ids) - length + 1, length)]
 output = Path(args.output_dir)
 if args.do_train:
     outcome = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)

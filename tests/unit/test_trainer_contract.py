@@ -18,7 +18,8 @@ pytestmark = pytest.mark.oldest
 
 # ExtTrainer's own methods; anything else it defines must override a Trainer method.
 OWN = {"_custom_loss_requested", "_custom_loss", "_learn_whether_loss_reads_num_items", "_parent_computes_loss",
-       "_normalised", "_say_where_token_losses_are_normalised", "training_order_state", "train_in_output_dir"}
+       "_normalised", "_say_where_token_losses_are_normalised", "training_order_state", "training_loss_sum",
+       "train_in_output_dir"}
 # The private Trainer methods ExtTrainer overrides, each with its reason in private_hooks.py and docs/versions.md
 # ("Supported versions"); everything else rides on public hooks.
 PRIVATE_OVERRIDES = {"_get_output_dir", "_wrap_model", "_clip_grad_norm", "_finalize_training"}
@@ -38,7 +39,7 @@ CALLS = {
 }
 
 # Attributes ExtTrainer sets or reads that the Trainer's own code must use under the same name.
-ATTRIBUTES = ("_tr_loss", "_created_lr_scheduler", "_train_batch_size", "model_accepts_loss_kwargs",
+ATTRIBUTES = ("_tr_loss", "_total_loss_scalar", "_initial_global_step", "_created_lr_scheduler", "_train_batch_size", "model_accepts_loss_kwargs",
               "loss_is_scaled_for_ga", "compute_metrics", "is_in_train")  # the last two: metrics_check.py
 
 

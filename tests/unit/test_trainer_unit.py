@@ -191,3 +191,34 @@ def test_label_smoothing_on_a_causal_lm_shifts_labels(tmp_path):
         logits = gpt(input_ids=ids).logits[:, :-1].reshape(-1, 50)
     expected = F.cross_entropy(logits, ids[:, 1:].reshape(-1), label_smoothing=0.1)
     assert torch.allclose(loss, expected, atol=1e-6)
+
+
+def test_a_checkpoint_without_its_loss_record_gives_the_logged_sum(tmp_path):
+    """A checkpoint stock transformers wrote has no loss_state.json: the sum of its steps' losses comes from the logged
+    means (each over the steps since the previous log) when the last log is at its step, else it is unknown."""
+    import json
+
+    from trainer_ext.checkpoint import read_loss_sum
+
+    state = {"global_step": 6, "log_history": [{"step": 2, "loss": 4.0}, {"step": 3, "eval_loss": 9.0},
+                                               {"step": 6, "loss": 2.5}]}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    assert read_loss_sum(tmp_path) == 4.0 * 2 + 2.5 * 4
+    (tmp_path / "trainer_state.json").write_text(json.dumps({**state, "global_step": 7}))  # step 7 never logged
+    assert read_loss_sum(tmp_path) is None
+    (tmp_path / "loss_state.json").write_text(json.dumps({"global_step": 7, "loss_sum": 20.5}))
+    assert read_loss_sum(tmp_path) == 20.5
+
+
+def test_a_trl_trainer_given_ext_training_arguments_alone_says_which_class_to_pass(tmp_path):
+    """ExtTrainer combined with TRL's SFTTrainer, given ExtTrainingArguments: TRL rebuilt them as an SFTConfig and
+    failed with `unexpected keyword argument 'sharded_ddp'`; one line names the arguments class to pass instead."""
+    trl = pytest.importorskip("trl")
+
+    class MyTrainer(ExtTrainer, trl.SFTTrainer):
+        pass
+
+    args = ExtTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match="MyTrainer combines ExtTrainer with TRL's SFTTrainer, which reads its own "
+                                         r"arguments class: .*trl.SFTConfig \(trainer_ext.trl.ExtSFTConfig is"):
+        MyTrainer(model=tiny_bert(), args=args)

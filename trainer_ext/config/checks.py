@@ -1,11 +1,15 @@
 """Every check of the flags that no machine could fix, one line per problem, and the readers of the flags that take
 text (--class_weights, --checkpoint_storage_options): ExtTrainingArguments runs them when built and `trainer-ext
-ds-config` before rendering, so both accept the same flags. Pure: the arguments are read, never changed."""
+ds-config` before rendering, so both accept the same flags; and the optional packages the flags' values need on this
+machine (training only: a login node renders a GPU cluster's config). Pure: the arguments are read, never changed, and
+packages are looked for, never imported."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
+from dataclasses import dataclass
 
 from ..backends import selection_problems
 from ..errors import ArgumentsError
@@ -113,6 +117,93 @@ def shown_flags(flags: list) -> list:
             word = "--checkpoint_storage_options=" + json.dumps(shown_storage_options(word.split("=", 1)[1]))
         shown.append(word)
     return shown
+
+
+@dataclass(frozen=True)
+class Package:
+    """An optional package a flag's value needs: any of `modules` will do (found, never imported)."""
+
+    modules: tuple[str, ...]
+    install: str
+
+    def missing(self) -> bool:
+        return not any(module_found(module) for module in self.modules)
+
+    def said(self) -> str:
+        return " (or ".join(self.modules) + ")" * (len(self.modules) - 1)
+
+
+def module_found(name: str) -> bool:
+    """Whether `name` (dotted too) can be imported, found without importing it or its parents."""
+    spec = importlib.util.find_spec(name.split(".")[0])
+    for depth in range(1, name.count(".") + 1):
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(".".join(name.split(".")[:depth + 1]),
+                                                         list(spec.submodule_search_locations))
+    return spec is not None
+
+
+BITSANDBYTES = Package(("bitsandbytes",), "pip install bitsandbytes")
+GALORE = Package(("galore_torch",), "pip install galore-torch")
+APOLLO = Package(("apollo_torch",), "pip install apollo-torch")
+SCHEDULE_FREE = Package(("schedulefree",), "pip install schedulefree")
+MLFLOW = Package(("mlflow",), "pip install mlflow")
+# --optim values whose optimizer transformers imports from a package of its own (transformers/trainer_optimizer.py);
+# the others are torch's or transformers' (OPTIM_IN_TORCH). A test walks OptimizerNames so none is missed.
+OPTIM_PACKAGES = {
+    **dict.fromkeys(("adamw_bnb_8bit", "adamw_8bit", "ademamix", "ademamix_8bit", "lion_8bit", "lion_32bit",
+                     "paged_adamw_32bit", "paged_adamw_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit",
+                     "paged_lion_32bit", "paged_lion_8bit", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit"),
+                    BITSANDBYTES),
+    **dict.fromkeys(("adamw_torch_4bit", "adamw_torch_8bit"), Package(("torchao",), "pip install torchao")),
+    **dict.fromkeys(("galore_adamw", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise",
+                     "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise"), GALORE),
+    **dict.fromkeys(("apollo_adamw", "apollo_adamw_layerwise"), APOLLO),
+    **dict.fromkeys(("lomo", "adalomo"), Package(("lomo_optim",), "pip install lomo-optim")),
+    **dict.fromkeys(("schedule_free_radam", "schedule_free_adamw", "schedule_free_sgd"), SCHEDULE_FREE),
+    "grokadamw": Package(("grokadamw",), "pip install grokadamw"),
+    "stable_adamw": Package(("optimi",), "pip install torch-optimi"),
+    "adamw_anyprecision": Package(("torchdistx",), "install it from https://github.com/pytorch/torchdistx"),
+    "adamw_torch_xla": Package(("torch_xla",), "pip install torch-xla"),
+    "adamw_torch_npu_fused": Package(("torch_npu",), "pip install torch-npu"),
+}
+OPTIM_IN_TORCH = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
+# --report_to integrations and what transformers' callback for each requires (integrations/integration_utils.py);
+# "all" takes the installed ones, "kubeflow" is an environment variable, not a package.
+REPORT_TO_PACKAGES = {
+    "azure_ml": (Package(("azureml.core.run",), "pip install azureml-sdk"),),
+    "clearml": (Package(("clearml",), "pip install clearml"),),
+    "codecarbon": (Package(("codecarbon",), "pip install codecarbon"),),
+    "comet_ml": (Package(("comet_ml",), "pip install comet-ml"),),
+    "dagshub": (MLFLOW, Package(("dagshub",), "pip install dagshub")),
+    "dvclive": (Package(("dvclive",), "pip install dvclive"),),
+    "flyte": (Package(("flytekit",), "pip install flytekit"),),
+    "mlflow": (MLFLOW,),
+    "neptune": (Package(("neptune",), "pip install neptune"),),
+    "swanlab": (Package(("swanlab",), "pip install swanlab"),),
+    "tensorboard": (Package(("tensorboard", "tensorboardX"), "pip install tensorboard"),),
+    "trackio": (Package(("trackio",), "pip install trackio"),),
+    "wandb": (Package(("wandb",), "pip install wandb"),),
+}
+LIGER_KERNEL = Package(("liger_kernel",), "pip install liger-kernel")
+
+
+def package_problems(args) -> list[str]:
+    """Flags whose value needs an optional package this environment lacks: --use_liger_kernel, --optim, --report_to.
+    transformers would fail only once the data and model are loaded (or the first trainer is built). A check of this
+    machine: training runs it, `trainer-ext ds-config` does not."""
+    needed = []
+    if getattr(args, "use_liger_kernel", False):
+        needed.append(("--use_liger_kernel", "true", LIGER_KERNEL))
+    optim = getattr(args.optim, "value", args.optim)
+    if optim in OPTIM_PACKAGES:
+        needed.append(("--optim", optim, OPTIM_PACKAGES[optim]))
+    report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
+    for name in report_to:
+        needed += [("--report_to", name, package) for package in REPORT_TO_PACKAGES.get(name, ())]
+    return [f"{flag} {value}: needs {package.said()}, which is not installed: {package.install}"
+            for flag, value, package in needed if package.missing()]
 
 
 def flag_problems(args) -> list[str]:

@@ -23,7 +23,8 @@ from ..errors import ArgumentsError, UserError, closest, debugging, main_process
 from ..runtime import check_fp16_device, check_rank_variables, prepare_cpu_ranks
 from ..sagemaker import prepare_arguments as prepare_sagemaker
 from ..sagemaker import spread_lists
-from .checks import FP16_BACKENDS, FP16_OPT_LEVELS, flag_problems, read_text_flags, shown_storage_options
+from .checks import (FP16_BACKENDS, FP16_OPT_LEVELS, flag_problems, package_problems, read_text_flags,
+                     shown_storage_options)
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,8 @@ class ExtTrainingArguments(TrainingArguments):
     def __post_init__(self):
         check_rank_variables()  # leftover WORLD_SIZE/RANK without a launcher: seconds, not a wait for peers forever
         prepare_sagemaker(self)  # in a SageMaker job: where the model and checkpoints go; nothing elsewhere
-        if problems := flag_problems(self):  # what this machine cannot change; trainer-ext ds-config runs the same
+        # What this machine cannot change (trainer-ext ds-config runs the same), then the packages the flags need here.
+        if problems := flag_problems(self) + package_problems(self):
             raise ArgumentsError("\n".join(problems))
         for name, value in read_text_flags(self).items():
             setattr(self, name, value)
@@ -105,6 +107,8 @@ class ExtTrainingArguments(TrainingArguments):
         self.check_output_dir()
         self.check_paths()
         prepare_cpu_ranks(self)
+        if self.include_num_input_tokens_seen is True:  # transformers reads True as "all", padding included
+            self.include_num_input_tokens_seen = "non_padding"
         super().__post_init__()
         backend_class(self).arguments_ready(self)
 

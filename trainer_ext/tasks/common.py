@@ -149,7 +149,8 @@ def train_and_save(trainer, training_args, train_samples: int) -> dict:
     outcome = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if getattr(trainer, "training_already_complete", None) is not None:
         return dict(outcome.metrics)
-    trainer.save_model()
+    if trainer.final_model_dir is None:  # a SageMaker job's train() saved it already
+        trainer.save_model()
     metrics = {**outcome.metrics, "train_samples": train_samples}
     trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)
