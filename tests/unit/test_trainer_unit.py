@@ -222,3 +222,18 @@ def test_a_trl_trainer_given_ext_training_arguments_alone_says_which_class_to_pa
     with pytest.raises(ValueError, match="MyTrainer combines ExtTrainer with TRL's SFTTrainer, which reads its own "
                                          r"arguments class: .*trl.SFTConfig \(trainer_ext.trl.ExtSFTConfig is"):
         MyTrainer(model=tiny_bert(), args=args)
+
+
+def test_trainer_ext_trl_without_trl_says_what_to_install(monkeypatch):
+    """Importing trainer_ext.trl where TRL is missing (hidden here as an absent module) must say which extra installs
+    it, as an ImportError a script can catch, not a bare traceback from inside the package."""
+    import importlib
+    import sys
+
+    from trainer_ext.errors import MissingLibraryError
+
+    monkeypatch.setitem(sys.modules, "trl", None)  # what Python does for a module it cannot find
+    monkeypatch.delitem(sys.modules, "trainer_ext.trl", raising=False)
+    with pytest.raises(MissingLibraryError, match=r'trainer_ext.trl needs TRL.*pip install "trainer_ext\[trl\]"'):
+        importlib.import_module("trainer_ext.trl")
+    assert issubclass(MissingLibraryError, ImportError)
