@@ -188,3 +188,118 @@ class ModelStateReport(TrainerCallback):
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"rank{args.process_index}.json"
         path.write_text(json.dumps(self.record, indent=1) + "\n")
+
+
+class ActivationCounter:
+    """The bytes of activations one training step of `model` holds at its peak moments, counted on any device (CPU
+    ranks have no peak-memory counter): enter before the forward, leave after the backward. During the forward: every
+    tensor autograd saves for backward (torch's saved-tensor hooks; deduplicated by storage; parameters, views of them
+    and scalars left out), those saved inside the model's layers apart; the logits the model returns; the two
+    gradients the cross entropy's backward holds (its log-softmax node's); with gradient checkpointing, what one layer
+    saves when it is recomputed (the first layer run once more as its recomputation runs it, its graph dropped).
+    `results()['activation_peak_bytes']`: the larger of the cross entropy's backward (everything saved, plus its two
+    gradients) and a layer's recomputation (what the layers saved, plus that layer's): the two moments
+    trainer_ext.planner.decoder_activation_bytes predicts."""
+
+    def __init__(self, model):
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        self.model = model
+        self.layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        self.saved: dict[int, int] = {}  # storage -> bytes, for the whole forward
+        self.in_layers: set[int] = set()
+        self.recomputed: dict[int, int] = {}
+        self.logits_bytes = self.loss_backward_bytes = 0
+        self.recording = self.inside_layer = False
+        self.handles: list = []
+
+    def _kept(self, tensor, into: dict) -> bool:
+        """Counts a saved tensor's storage once; parameters (a ZeRO-3 or FSDP2 gathered one too) and scalars are not
+        activations."""
+        parameter = isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
+        if parameter or tensor.dim() == 0:
+            return False
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in self.parameter_storages or storage.nbytes() == 0:
+            return False
+        into.setdefault(storage.data_ptr(), storage.nbytes())
+        return True
+
+    def _pack(self, tensor):
+        if self.recording and self._kept(tensor, self.saved):
+            if self.inside_layer:
+                self.in_layers.add(tensor.untyped_storage().data_ptr())
+            node = tensor.grad_fn
+            if type(node).__name__ == "LogSoftmaxBackward0" and not self.loss_backward_bytes:
+                self.loss_backward_bytes = -1  # hooked once
+                node.register_hook(self._loss_backward)
+        return tensor
+
+    def _loss_backward(self, grad_inputs, grad_outputs):
+        self.loss_backward_bytes = tensor_bytes([*grad_inputs, *grad_outputs])
+
+    def _probe(self, layer, checkpoint):
+        """The layer's checkpointing function, which first runs the layer as its recomputation will, counting what it
+        saves (once)."""
+        def probing(function, *args, **kwargs):
+            layer._gradient_checkpointing_func = checkpoint
+            # the layer's input, which the checkpoint holds already, is not counted twice
+            held = {arg.untyped_storage().data_ptr(): 0 for arg in args if torch.is_tensor(arg)}
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: (self._kept(t, held), t)[1], lambda t: t):
+                function(*args, **kwargs)
+            self.recomputed = {key: size for key, size in held.items() if size}
+            return checkpoint(function, *args, **kwargs)
+        return probing
+
+    def __enter__(self):
+        self.parameter_storages = {(p.to_local() if hasattr(p, "device_mesh") else p).untyped_storage().data_ptr()
+                                   for p in self.model.parameters()}
+        for layer in self.layers:
+            self.handles.append(layer.register_forward_pre_hook(lambda *_: setattr(self, "inside_layer", True)))
+            self.handles.append(layer.register_forward_hook(lambda *_: setattr(self, "inside_layer", False)))
+        self.checkpoint = None
+        if self.layers and getattr(self.layers[0], "gradient_checkpointing", False):
+            first, self.checkpoint = self.layers[0], self.layers[0]._gradient_checkpointing_func
+            first._gradient_checkpointing_func = self._probe(first, self.checkpoint)
+        self.handles.append(self.model.get_output_embeddings().register_forward_hook(
+            lambda module, inputs, output: setattr(self, "logits_bytes", tensor_bytes([output]))))
+        self.handles.append(self.model.register_forward_hook(lambda *_: setattr(self, "recording", False)))
+        self.recording = True
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        for handle in self.handles:
+            handle.remove()
+        if self.checkpoint is not None:  # the probe not run (no forward): the layer's own function back
+            self.layers[0]._gradient_checkpointing_func = self.checkpoint
+
+    def results(self) -> dict[str, int]:
+        saved, in_layers = sum(self.saved.values()), sum(self.saved[key] for key in self.in_layers)
+        recomputed = sum(self.recomputed.values())
+        return {"saved_bytes": saved, "saved_in_layers_bytes": in_layers, "recomputed_layer_bytes": recomputed,
+                "logits_bytes": self.logits_bytes, "loss_backward_bytes": max(self.loss_backward_bytes, 0),
+                "activation_peak_bytes": max(saved + max(self.loss_backward_bytes, 0),
+                                             in_layers + recomputed if recomputed else 0)}
+
+
+class ActivationReport(TrainerCallback):
+    """ActivationCounter over training step `measure_step`, its results written into `record` (a ModelStateReport's,
+    to share its file)."""
+
+    def __init__(self, record: dict, measure_step: int = 2):
+        self.record = record
+        self.measure_step = measure_step
+        self.counter = None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step + 1 == self.measure_step:
+            self.counter = ActivationCounter(model).__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.counter is not None:
+            self.counter.__exit__(None, None, None)
+            self.record.update(self.counter.results())
+            self.counter = None

@@ -22,7 +22,10 @@ commands:
                                  [--keep_checkpoints] [--check] [--FIELD VALUE ...]   (flags: every trial)
   plan        predict per-rank memory of every backend and name the cheapest that fits a device
               trainer-ext plan --model PATH|--num_parameters N --world_size N [--fp16|--bf16] [--offload]
-                               [--per_device_train_batch_size N] [--max_seq_length N] [--device_memory 16GB]
+                               [--per_device_train_batch_size N] [--max_seq_length N (packed length)]
+                               [--gradient_checkpointing] [--attention sdpa|eager] [--device_memory 80GB]
+                               [--lora_r R [--lora_target_modules q_proj,v_proj,...|all-linear]
+                                [--lora_dropout P] [--lora_alpha A]] [--json]
 """
 
 
@@ -170,10 +173,12 @@ def search(argv: list[str]) -> int:
 def plan(argv: list[str]) -> int:
     import argparse
 
-    from .planner import PlanError, ModelSize, model_size, parse_bytes, parse_count, plan as make_plan, render
+    from .planner import (PlanError, ModelSize, lora_settings, model_size, parse_bytes, parse_count, plan as make_plan,
+                          render)
 
     parser = argparse.ArgumentParser(prog="trainer-ext plan", description="Predict per-rank training memory of "
-                                     "every backend from the model's parameter count.")
+                                     "every backend from the model's parameter count and shape (full fine-tuning or "
+                                     "LoRA).", allow_abbrev=False)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", help="model folder (.safetensors weights or config.json), config.json or .safetensors")
     what.add_argument("--num_parameters", help="parameter count instead of a model (22713216, 350M, 7e9)")
@@ -182,22 +187,39 @@ def plan(argv: list[str]) -> int:
     precision.add_argument("--fp16", action="store_true", help="mixed precision with fp16")
     precision.add_argument("--bf16", action="store_true", help="mixed precision with bf16")
     parser.add_argument("--offload", action="store_true", help="consider ZeRO-2 with the optimizer on the CPU")
-    parser.add_argument("--per_device_train_batch_size", type=int, default=8)
-    parser.add_argument("--max_seq_length", type=int, default=512)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=8, help="sequences per rank and step")
+    parser.add_argument("--max_seq_length", type=int, default=512,
+                        help="tokens per sequence; with packing (TRL's packing=True) the packed length: each rank's "
+                             "batch is --per_device_train_batch_size sequences of exactly this many tokens")
+    parser.add_argument("--gradient_checkpointing", "--activation_checkpointing", action="store_true",
+                        help="transformers' gradient checkpointing: each layer keeps only its input and is recomputed "
+                             "in backward")
     parser.add_argument("--num_labels", type=int, default=0, help="add a classification head with this many labels")
     parser.add_argument("--device_memory", help="memory of one device (16GB, 80GiB): name the cheapest that fits")
     parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
                         help="the model's attention: sdpa (PyTorch's fused kernels, transformers' default) keeps no "
                              "a*s^2 activations; eager does")
+    lora = parser.add_argument_group("LoRA (peft): the base frozen in the compute dtype, the adapters trained")
+    lora.add_argument("--lora_r", type=int, help="the adapters' rank: plan a LoRA fine-tune")
+    lora.add_argument("--lora_target_modules", help="comma-separated modules of each layer (default q_proj,v_proj, "
+                                                    "peft's for the Llama family), or all-linear")
+    lora.add_argument("--lora_dropout", type=float, default=0.0, help="peft's lora_dropout (default 0)")
+    lora.add_argument("--lora_alpha", type=float, help="accepted for a training command's flags; no memory effect")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
     args = parser.parse_args(argv)
     try:
         size = (ModelSize(parse_count(args.num_parameters), "--num_parameters") if args.num_parameters
                 else model_size(args.model, num_labels=args.num_labels))
+        if args.lora_r is None and (args.lora_target_modules or args.lora_dropout or args.lora_alpha is not None):
+            raise PlanError("--lora_target_modules, --lora_dropout and --lora_alpha describe LoRA adapters: give "
+                            "their rank too, e.g. --lora_r 16")
+        adapters = (lora_settings(size.decoder, args.lora_r, args.lora_target_modules, args.lora_dropout)
+                    if args.lora_r is not None else None)
         device_memory = parse_bytes(args.device_memory) if args.device_memory else None
         result = make_plan(size, args.world_size, "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
                            offload=args.offload, batch_size=args.per_device_train_batch_size,
-                           seq_length=args.max_seq_length, device_memory=device_memory, attention=args.attention)
+                           seq_length=args.max_seq_length, device_memory=device_memory, attention=args.attention,
+                           lora=adapters, gradient_checkpointing=args.gradient_checkpointing)
     except PlanError as err:
         print(f"trainer-ext plan: error: {err}", file=sys.stderr)
         return 2

@@ -191,7 +191,7 @@ class Backend:
 
 @dataclass(frozen=True)
 class BackendFormula:
-    """Bytes per parameter held on one rank: each term is (bytes, divided by N?)."""
+    """Bytes per trained parameter held on one rank: each term is (bytes, divided by N?)."""
     name: str
     flag: str  # how to select it with trainer_ext
     params: tuple[float, bool]
@@ -203,7 +203,15 @@ class BackendFormula:
     cuda_only: bool = False
     note: str = ""
     preference: int = 0  # the planner recommends the lowest that fits
-    extra: Callable[[int, int], dict] | None = None  # (Ψ, N) -> bytes held beyond the terms, e.g. {"grads": ...}
+    # (trained Ψ, N, all parameters) -> bytes held beyond the terms, e.g. {"grads": ...}
+    extra: Callable[[int, int, int], dict] | None = None
+    frozen_sharded: bool = False  # frozen parameters (a LoRA's base, in the compute dtype) divided by N too
+    # (hidden size) -> parameters with fewer elements stay whole on every rank besides their partition
+    whole_below: Callable[[int], float] | None = None
+    # What changes the activations: mixed precision by torch autocast over fp32 weights; every Linear keeping its
+    # input for backward, frozen or not
+    autocast: bool = False
+    linears_keep_inputs: bool = False
 
     def bytes(self, num_parameters: int, world_size: int) -> dict[str, float]:
         def term(spec):

@@ -10,4 +10,5 @@ class DDPBackend(Backend):
     def memory_formulas(cls, mixed: bool) -> list:
 
         # torch AMP (transformers --fp16/--bf16 under DDP) keeps fp32 weights and gradients: 16 bytes either way.
-        return [BackendFormula("ddp", "(no flag)", (4, False), (4, False), (8, False), 1.0, preference=0)]
+        return [BackendFormula("ddp", "(no flag)", (4, False), (4, False), (8, False), 1.0, preference=0,
+                               autocast=True)]

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..deepspeed_config import finish_deepspeed_config, resolve_deepspeed_config
-from ..deepspeed_config.keys import ZERO3_COST
+from ..deepspeed_config.keys import HIDDEN_SIZE_AUTO, ZERO3_COST
 from .base import Backend, BackendFormula
 
 logger = logging.getLogger(__name__)
@@ -22,6 +22,7 @@ INSTALL = "pip install 'deepspeed>=0.19,<0.20' (or pip install 'trainer_ext[deep
 # Consecutive bf16 steps with a non-finite gradient norm after which the run stops: there is no loss scale to lower,
 # so the same failure on every batch means the weights or the data, not one unlucky batch, produce inf/NaN.
 MAX_CONSECUTIVE_NONFINITE = 10
+PERSISTENCE = HIDDEN_SIZE_AUTO["stage3_param_persistence_threshold"][0]  # the "auto" the presets resolve to
 
 
 class DeepSpeedBackend(Backend):
@@ -107,15 +108,19 @@ class DeepSpeedBackend(Backend):
             BackendFormula("zero2", "--deepspeed zero2_minimal", (weight, False), (weight, True), (12, True), 1.0,
                            preference=20),
             # Parameters are partitioned too (a layer is gathered whole for its forward and backward, then freed),
-            # and parameters under stage3_param_persistence_threshold stay whole: <0.2% of a BERT, not counted.
+            # but those under stage3_param_persistence_threshold (10·h, our "auto") stay whole as well (counted where
+            # the model's shape is known: <0.2% of a BERT). zero.Init replaces F.linear with DeepSpeed's, which keeps
+            # every Linear's input for backward, a LoRA's frozen ones too.
             BackendFormula("zero3", "--deepspeed zero3", (weight, True), (weight, True), (12, True), 1.5,
-                           preference=50, note=ZERO3_COST),
+                           preference=50, frozen_sharded=True, whole_below=PERSISTENCE, linears_keep_inputs=True,
+                           note=ZERO3_COST),
             # The optimizer step runs on the CPU: fp32 gradient partition, master and moments in host memory.
             BackendFormula("zero2_offload", "--deepspeed zero2_offload", (weight, False), (4, True), (12, True), 1.0,
                            host_optimizer=True, preference=70, note="optimizer step on the CPU: slowest per step"),
             # Parameter partitions in host memory too: the device holds only the layer being computed.
             BackendFormula("zero3_offload", "--deepspeed zero3_offload", (weight, True), (4, True), (12, True), 1.5,
-                           host_optimizer=True, host_params=True, preference=80,
+                           host_optimizer=True, host_params=True, preference=80, frozen_sharded=True,
+                           whole_below=PERSISTENCE, linears_keep_inputs=True,
                            note="parameters and optimizer step on the CPU: every layer crosses to the device in each "
                                 "forward and backward; the last resort"),
         ]

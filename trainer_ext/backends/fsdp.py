@@ -233,9 +233,11 @@ class FSDPBackend(Backend):
         gathered = "16-bit" if mixed else "fp32"
         return [
             BackendFormula("fsdp", "--fsdp full_shard", (4, True), (4, True), (8, True), 1.5, preference=55,
+                           frozen_sharded=True,
                            note=f"plus one layer's {gathered} parameters gathered at a time (transient)"),
             BackendFormula("fsdp_shard_grad_op", "--fsdp shard_grad_op", (4, True), (4, True), (8, True), 1.0,
-                           preference=35, extra=lambda n, world: {"params": n * (2 if mixed else 4)},
+                           preference=35, frozen_sharded=True,
+                           extra=lambda _, world, everything: {"params": everything * (2 if mixed else 4)},
                            note=f"params include the whole model's {gathered} parameters, gathered through forward "
                                 "and backward"),
         ]
