@@ -77,16 +77,29 @@ def takes_num_items(loss_fn) -> bool:
         return False
 
 
-def num_items_probe(num_items_in_batch) -> torch.Tensor:
-    """transformers' `num_items_in_batch` as a leaf the first step's loss can be traced back to (same value)."""
-    return torch.as_tensor(num_items_in_batch).detach().to(torch.float32).requires_grad_(True)
+class NumItemsProbe(torch.Tensor):
+    """transformers' `num_items_in_batch` (the same value) that notes whether the loss reads it: any arithmetic on it
+    (the division that normalises a token loss, a clamp, `.item()`) counts; moving, copying or asking its shape does
+    not. Not a leaf of the autograd graph: FSDP2 threads every input that requires a gradient through an autograd
+    function of its own, which would connect it to any loss."""
 
+    read = False  # set when arithmetic consumed a probe (one training step at a time)
+    PASSING = frozenset({"to", "cpu", "cuda", "clone", "detach", "contiguous", "view", "reshape", "squeeze",
+                         "unsqueeze", "expand", "float", "double", "long", "int", "type", "pin_memory", "__get__",
+                         "__repr__", "__format__", "dim", "size", "numel", "element_size", "is_floating_point"})
 
-def loss_reads(loss, probe) -> bool:
-    """Whether `loss` was computed from `probe` (autograd walks only the path to it: no backward of the model)."""
-    if not torch.is_tensor(loss) or not loss.requires_grad:
-        return False
-    return torch.autograd.grad(loss, probe, retain_graph=True, allow_unused=True)[0] is not None
+    @classmethod
+    def of(cls, num_items_in_batch) -> NumItemsProbe:
+        cls.read = False
+        return torch.as_tensor(num_items_in_batch).detach().as_subclass(cls)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in cls.PASSING:
+            return super().__torch_function__(func, types, args, kwargs or {})
+        cls.read = True
+        with torch._C.DisableTorchFunctionSubclass():  # the result is a plain tensor: the loss stays one
+            return func(*args, **(kwargs or {}))
 
 
 def sliced(inputs, count: int, batch_size: int):

@@ -21,8 +21,7 @@ from .data.loader import dataloader_with_batch_sampler, stream_dataloader
 from .data.samplers import ResumableBatchSampler, check_global_batch
 from .data.stream import TrainingStream, is_stream
 from .errors import UserError, install_excepthook
-from .losses import (EvaluationLosses, loss_reads, num_items_probe, shifts_labels, sliced, takes_num_items,
-                     token_cross_entropy)
+from .losses import EvaluationLosses, NumItemsProbe, shifts_labels, sliced, takes_num_items, token_cross_entropy
 from .metrics_check import checked_compute_metrics
 from .output_dir import hold_output_dir, release_output_dir
 from .preemption import Preempted, PreemptionCallback
@@ -118,13 +117,12 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         return super().compute_loss(model, inputs, return_outputs, None)
 
     def _learn_whether_loss_reads_num_items(self, model, inputs, return_outputs, num_items_in_batch):
-        """The first training step, as transformers computes it, with `num_items_in_batch` as a leaf the loss can be
-        traced back to: a loss that divides by it is normalised by every rank's targets (kept, as transformers scales
-        it); one that never reads it is a per-batch mean, which transformers multiplied by the world size (undone, and
-        later steps pass no count). No forward of its own: under ZeRO-3 a forward outside the engine cannot run."""
-        probe = num_items_probe(num_items_in_batch)
-        loss, outputs = super().compute_loss(model, inputs, True, probe)
-        self._model_uses_num_items = loss_reads(loss, probe)
+        """The first training step, as transformers computes it, with `num_items_in_batch` as a tensor that notes being
+        read: a loss that divides by it is normalised by every rank's targets (kept, as transformers scales it); one
+        that never reads it is a per-batch mean, which transformers multiplied by the world size (undone, and later
+        steps pass no count). No forward of its own: under ZeRO-3 a forward outside the engine cannot run."""
+        loss, outputs = super().compute_loss(model, inputs, True, NumItemsProbe.of(num_items_in_batch))
+        self._model_uses_num_items = self._on_every_rank(NumItemsProbe.read)
         if self._model_uses_num_items:
             self.loss_is_scaled_for_ga = None
             self._say_where_token_losses_are_normalised()
@@ -134,6 +132,14 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             if self.args.average_tokens_across_devices:
                 loss = loss / self.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss
+
+    def _on_every_rank(self, answer: bool) -> bool:
+        """`answer` made the same on every rank (any rank's yes): a rank whose first batch holds no target token could
+        otherwise decide alone."""
+        if self.args.world_size == 1:
+            return answer
+        decided = torch.tensor([float(answer)], device=self.args.device)
+        return bool(self.accelerator.reduce(decided, reduction="sum").item() > 0)
 
     def _say_where_token_losses_are_normalised(self) -> None:
         """Once, when a loss normalised by the targets is computed on several ranks that each count only their own."""
