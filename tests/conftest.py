@@ -325,6 +325,44 @@ def run_many(commands: dict, jobs: int = 2, **kwargs) -> dict:
     return {key: future.result() for key, future in futures.items()}
 
 
+FORKED = REPO / "tests" / "scripts" / "forked.py"
+CONSOLE_SCRIPTS = {"trainer-ext": "trainer_ext.cli:run"}
+
+
+def run_forked(commands: dict, preload=(), timeout: int = 300) -> dict:
+    """run() each of {key: (cmd, env)}, cmd a `PYTHON script ...` or `trainer-ext ...` command line, as forked copies
+    of one process that loaded each program's modules (and the `preload` modules) once (tests/scripts/forked.py):
+    every command is a process of its own, without the ~5 s of one core a start-up costs (imports) when the command
+    ends at argument parsing. A script's top level runs in the parent (it must call its main under
+    `if __name__ == "__main__"`). Returns {key: CompletedProcess}, as run_many."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="forked-") as folder:
+        folder = Path(folder)
+        spec = {"preload": [f"{module}:" for module in preload], "timeout": timeout, "commands": {}}
+        arguments = {}
+        for number, (key, (cmd, env)) in enumerate(commands.items()):
+            args = arguments[key] = [str(c) for c in cmd]
+            _check_markers(args)
+            if Path(args[0]).name in CONSOLE_SCRIPTS:
+                program, name, argv = CONSOLE_SCRIPTS[Path(args[0]).name], Path(args[0]).name, args[1:]
+            else:
+                assert args[0] == str(PYTHON), f"run_forked runs `python script ...` or a console script: {args[:2]}"
+                program, name, argv = args[1], args[1], args[2:]
+            if program not in spec["preload"]:
+                spec["preload"].append(program)
+            spec["commands"][key] = {"program": program, "name": name, "argv": argv, "env": env or {},
+                                     "stdout": str(folder / f"{number}.out"), "stderr": str(folder / f"{number}.err")}
+        (folder / "spec.json").write_text(json.dumps(spec))
+        out = run([PYTHON, FORKED, folder / "spec.json", folder / "results.json"],
+                  timeout=max(600, timeout + 30 * len(commands)))
+        assert out.returncode == 0, f"the forked commands' runner failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+        statuses = json.loads((folder / "results.json").read_text())
+        return {key: subprocess.CompletedProcess(arguments[key], statuses[key], Path(command["stdout"]).read_text(),
+                                                 Path(command["stderr"]).read_text())
+                for key, command in spec["commands"].items()}
+
+
 def selected(request, test_name: str, param: str) -> list:
     """The values of `param` in this module's selected tests named `test_name`: a fixture that runs their commands
     together (run_many) runs only the cases a `-k` or a failed-first rerun kept."""

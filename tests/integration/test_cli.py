@@ -4,13 +4,14 @@ import json
 
 import pytest
 
-from conftest import BIN, run_many
+from conftest import BIN, run_forked
 
 CLI = BIN / "trainer-ext"
 
 
 # Each test's `trainer-ext` commands (after the program's name), by key: the selected tests' commands all run in one
-# fixture, two at a time (each ends after start-up and parsing: one core). BAD_FILE: a file holding cut JSON.
+# fixture, forked from one process that loaded the CLI's modules (each ends after parsing: start-up was most of its
+# time). BAD_FILE: a file holding cut JSON.
 BAD_FILE = "{bad.json}"
 COMMANDS = {
     "test_prints_complete_config_for_target_cluster": {
@@ -53,8 +54,9 @@ def ran(request, tmp_path_factory):
     bad = tmp_path_factory.mktemp("cli") / "bad.json"
     bad.write_text('{"zero_optimization": {"stage": 2}')
     names = {item.originalname for item in request.session.items if item.module is request.module}
-    return run_many({key: ([CLI, *[bad if word == BAD_FILE else word for word in argv]], None)
-                     for name in sorted(names & set(COMMANDS)) for key, argv in COMMANDS[name].items()})
+    return run_forked({key: ([CLI, *[bad if word == BAD_FILE else word for word in argv]], None)
+                       for name in sorted(names & set(COMMANDS)) for key, argv in COMMANDS[name].items()},
+                      preload=["trainer_ext.config.flags", "trainer_ext.deepspeed_config"])
 
 
 @pytest.mark.launch

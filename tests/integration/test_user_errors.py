@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import PYTHON, REPO, TINY_TRAIN, free_port, run, run_many, selected
+from conftest import PYTHON, REPO, TINY_TRAIN, free_port, run, run_forked, selected
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed, pytest.mark.model_package]
 
@@ -60,8 +60,8 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def case_runs(request, tmp_path_factory):
-    """The selected cases' processes, two at a time (each ends after start-up and parsing: one core); case -> (its
-    output_dir, CompletedProcess)."""
+    """The selected cases' processes, forked from one that loaded run_glue.py's modules (each ends at parsing or at the
+    data and model checks: start-up was most of its time); case -> (its output_dir, CompletedProcess)."""
     root, commands, output_dirs = tmp_path_factory.mktemp("cases"), {}, {}
     for number, case in enumerate(selected(request, "test_user_error_is_one_line_exit_2_nothing_written", "case")):
         flags, _, env = CASES[case]
@@ -69,7 +69,7 @@ def case_runs(request, tmp_path_factory):
         output_dirs[case] = root / str(number) / "out"
         commands[case] = ([PYTHON, GLUE, "--output_dir", output_dirs[case], *FAST, *flags],
                           {key: value.format(closed_port=free_port()) for key, value in env.items()})
-    done = run_many(commands, timeout=300)
+    done = run_forked(commands)
     return {case: (output_dirs[case], done[case]) for case in commands}
 
 
