@@ -73,6 +73,9 @@ def damaged_file(folder: Path, files: dict, checksums: bool = True) -> str | Non
     if relaid_weights(folder, files):
         files = {relative: entry for relative, entry in files.items()
                  if not (_WEIGHTS.match(relative) and not (folder / relative).is_file())}
+    # A checkpoint without its random state still continues exactly (the resume says what it lacks), as in transformers.
+    files = {relative: entry for relative, entry in files.items()
+             if not (Path(relative).match("rng_state*.pth") and not (folder / relative).is_file())}
     for relative, (size, _) in files.items():
         path = folder / relative
         if not path.is_file():

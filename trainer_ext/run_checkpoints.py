@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -16,6 +17,7 @@ from transformers import TrainerCallback
 from .checkpoint import (AUTO, DATA_STATE, FRESH, LOSS_STATE, MARKER, NEWEST, CheckpointError, CheckpointNotFoundError,
                          check_compatible, damage, newest_valid_checkpoint, problem_with, publish, read_loss_sum,
                          relaid_weights, resume_request, rotate, staging_dir, valid_checkpoints)
+from .backends import backend_classes
 from .sagemaker import checkpoints_to_keep
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,8 @@ class RunCheckpoints(TrainerCallback):
                 raise CheckpointNotFoundError(
                     f"Can't find a valid checkpoint at {checkpoint} (resume_from_checkpoint): no such folder; give a "
                     "checkpoint-N folder, or auto for the newest complete one in --output_dir")
+            if not (Path(checkpoint) / "trainer_state.json").is_file():
+                raise CheckpointNotFoundError(not_a_checkpoint(Path(checkpoint)))
             damaged = self.decided_by_main_process(lambda: damage(Path(checkpoint)))
             if damaged:
                 raise CheckpointError(f"--resume_from_checkpoint {checkpoint}: {damaged}; resume from another "
@@ -93,6 +97,84 @@ class RunCheckpoints(TrainerCallback):
             check_compatible(checkpoint, fingerprint)
             self._say_if_relaid(Path(checkpoint))
         return checkpoint
+
+    def check_training_state(self, checkpoint: Path) -> bool:
+        """Before a resume trains (a finished run's re-run needs only the weights): a checkpoint whose optimizer state
+        this run's backend cannot read (saved with --save_only_model, or written by another backend) is refused in one
+        line (transformers would start a new optimizer in silence, or fail deep inside the engine); with
+        --resume_weights_only its weights and step continue, said: returns True then. A missing random state is said
+        too."""
+        backend, step = self.trainer.backend, json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
+        writer = writing_backend(checkpoint)
+        present = all(any(checkpoint.glob(pattern)) for pattern in backend.optimizer_state)
+        if present and (writer is None or writer.optimizer_state == backend.optimizer_state):
+            if not any(checkpoint.glob("rng_state*")) and self.trainer.is_world_process_zero():
+                logger.warning("resuming from %s, which holds no rng_state*.pth: the data order continues exactly "
+                               "(trainer_ext's own), the random state of dropout and augmentations does not",
+                               checkpoint)
+            return False
+        other = writer is not None and writer.optimizer_state != backend.optimizer_state
+        holds = (f"was written by {writer_text(checkpoint)}, whose optimizer state {backend.describe()} cannot read"
+                 if other else "holds no optimizer state (saved with --save_only_model)")
+        if getattr(self.args, "resume_weights_only", False):
+            if not backend.resumes_weights_only:
+                raise CheckpointError(
+                    f"--resume_weights_only: {checkpoint} {holds}, and {backend.describe()} resumes only from its own "
+                    f"checkpoints: start a new run from its weights (--model_name_or_path {checkpoint} in the "
+                    "examples, from_pretrained in a script), or resume it without --deepspeed")
+            if self.trainer.is_world_process_zero():
+                logger.warning("--resume_weights_only: %s %s; its weights and step %d continue, the optimizer state "
+                               "starts anew", checkpoint, holds, step)
+            return True
+        if other:
+            how = (f"resume it without {backend.given_as(self.args)} (plain DDP wrote it), " if writer.flag is None
+                   else f"resume it with --{writer.flag}, as it was written, ")
+        raise CheckpointError(
+            f"{checkpoint} {holds}: {how if other else ''}pass "
+            f"--resume_weights_only to continue its weights and step {step} with a new optimizer state (the "
+            "learning-rate schedule continues at that step), or --fresh_start to start over")
+
+    def continue_with_this_runs_settings(self, checkpoint: Path) -> None:
+        """After a resume loaded the optimizer and scheduler (transformers', or the engine's): the optimizer's
+        hyperparameters are this run's flags (loading a checkpoint restores its own: a raised --learning_rate or
+        another --weight_decay was ignored in silence), and the learning rate of the next step is the one this run's
+        schedule gives at the resumed step (a finished run continued with a raised --max_steps held the old schedule's
+        last rate, 0 for linear decay; a --resume_weights_only scheduler would restart at step 1). Schedules that are a
+        function of the step are laid out again (transformers' LambdaLR ones, DeepSpeed's). Said once, with what
+        changed."""
+        trainer, step = self.trainer, self.trainer.state.global_step
+        try:
+            saved_total = json.loads((checkpoint / "trainer_state.json").read_text()).get("max_steps")
+        except (OSError, ValueError):
+            saved_total = None
+        engine = trainer.model_wrapped
+        scheduler = getattr(engine, "lr_scheduler", None) or trainer.lr_scheduler
+        scheduler = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler wraps it
+        optimizer = getattr(engine, "optimizer", None) if getattr(engine, "lr_scheduler", None) else trainer.optimizer
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        if optimizer is None:
+            return
+        fresh = trainer.backend.optimizer_hyperparameters(trainer) or trainer.fresh_optimizer_groups or []
+        changed = restore_hyperparameters(optimizer.param_groups, fresh, scheduler)
+        rates = laid_out_rates(scheduler, step)
+        before = [group["lr"] for group in optimizer.param_groups]
+        if rates is not None and (saved_total != trainer.state.max_steps or "learning rate" in changed
+                                  or any(abs(a - b) > 1e-12 * max(abs(b), 1e-30) for a, b in zip(before, rates))):
+            for group, rate in zip(optimizer.param_groups, rates):
+                group["lr"] = rate
+            if hasattr(scheduler, "lr_lambdas"):  # a scheduler started anew (weights only) counts from the resumed step
+                scheduler.last_epoch = step
+            scheduler._last_lr = list(rates)  # noqa: SLF001 (what get_last_lr() returns: the rate transformers logs)
+        else:
+            rates = None
+        if (changed or rates) and trainer.is_world_process_zero():
+            said = [f"{name} {old} -> {new}" for name, (old, new) in changed.items()]
+            if rates:
+                total = f"{trainer.state.max_steps} steps (it was written by a run of {saved_total})" \
+                    if saved_total and saved_total != trainer.state.max_steps else f"{trainer.state.max_steps} steps"
+                said.append(f"the learning-rate schedule is laid out again for {total}, from step {step + 1} on: step "
+                            f"{step + 1} trains at {rates[0]:g} (instead of {before[0]:g})")
+            logger.warning("resuming from %s with this run's settings: %s", checkpoint, "; ".join(said))
 
     def _say_if_relaid(self, checkpoint: Path) -> None:
         if not self.trainer.is_world_process_zero():
@@ -193,7 +275,7 @@ class RunCheckpoints(TrainerCallback):
             state.save_to_json(str(staged / "trainer_state.json"))
         module = trainer.backend.unwrap(trainer.accelerator.unwrap_model(trainer.model))
         final = publish(staged, run_dir, {"step": state.global_step, "world_size": self.args.world_size,
-                                          "backend": trainer.backend.describe(),
+                                          "backend": trainer.backend.describe(), "backend_name": trainer.backend.name,
                                           "model": trainer.backend.model_fingerprint(module)})
         deleted = rotate(run_dir, checkpoints_to_keep(self.args.save_total_limit),
                          keep=Path(state.best_model_checkpoint) if state.best_model_checkpoint else None)
@@ -222,6 +304,91 @@ class RunCheckpoints(TrainerCallback):
         """Uploads still running finish (at the end, and on preemption)."""
         if self.remote is not None:
             self.remote.wait()
+
+
+@contextmanager
+def weights_and_step(checkpoint: Path):
+    """A folder holding a checkpoint's files but its optimizer, scheduler and random state (links, in a temporary
+    folder of this process), for transformers to resume only the weights and the trainer's state from: it loads every
+    optimizer file it finds, and another backend's (an FSDP2 stub, a DDP state under FSDP2) fails inside the step."""
+    import tempfile
+
+    skipped = ("optimizer*", "scheduler.pt", "scaler.pt", "rng_state*")
+    with tempfile.TemporaryDirectory(prefix="trainer-ext-weights-") as folder:
+        view = Path(folder) / checkpoint.name
+        view.mkdir()
+        for path in checkpoint.iterdir():
+            if not any(path.match(pattern) for pattern in skipped):
+                (view / path.name).symlink_to(path.resolve())
+        yield view
+
+
+HYPERPARAMETERS = {"weight_decay": "weight decay", "betas": "betas", "eps": "epsilon"}
+
+
+def restore_hyperparameters(groups, fresh: list[dict], scheduler) -> dict:
+    """This run's optimizer hyperparameters (`fresh`: each group's as built, before a checkpoint was loaded) put back
+    over the checkpoint's; the learning rate as the schedule's base. Returns {what: (checkpoint's, this run's)}."""
+    changed = {}
+    for group, settings in zip(groups, fresh):
+        for key, name in HYPERPARAMETERS.items():
+            if key in settings and key in group and tuple(map(float, _values(group[key]))) != \
+                    tuple(map(float, _values(settings[key]))):
+                changed[name] = (group[key], settings[key])
+                group[key] = settings[key]
+    bases = getattr(scheduler, "base_lrs", None)
+    wanted = [settings.get("initial_lr", settings.get("lr")) for settings in fresh]
+    if bases and len(wanted) == len(bases) and None not in wanted and any(abs(a - b) > 1e-12 * abs(b)
+                                                                           for a, b in zip(bases, wanted)):
+        changed["learning rate"] = (bases[0], wanted[0])
+        scheduler.base_lrs = list(wanted)
+        for group, base in zip(groups, wanted):
+            group["initial_lr"] = base
+    return changed
+
+
+def _values(value) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def laid_out_rates(scheduler, step: int) -> list[float] | None:
+    """Each parameter group's rate for the optimizer step after `step` under this schedule, for schedules that are a
+    function of the step: torch's LambdaLR (transformers' linear, cosine, polynomial, constant, ... schedules) and
+    DeepSpeed's WarmupLR family; None for others (ReduceLROnPlateau follows the metric, not the total)."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    if isinstance(scheduler, LambdaLR):
+        return [base * rate(step) for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    if hasattr(scheduler, "last_batch_iteration") and hasattr(scheduler, "get_lr"):  # DeepSpeed's: from its iteration
+        return list(scheduler.get_lr())
+    return None
+
+
+def writing_backend(checkpoint: Path):
+    """The backend class that wrote a checkpoint, from its marker; None for one written without trainer_ext."""
+    try:
+        marker = json.loads((checkpoint / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    name = marker.get("backend_name") or str(marker.get("backend", "")).split(" ")[0].replace("fsdp2", "fsdp")
+    return next((cls for cls in backend_classes() if cls.name == name), None)
+
+
+def writer_text(checkpoint: Path) -> str:
+    """How the checkpoint's marker describes the backend that wrote it, e.g. "deepspeed ZeRO-2"."""
+    try:
+        return json.loads((checkpoint / MARKER).read_text()).get("backend", "another backend")
+    except (OSError, ValueError):
+        return "another backend"
+
+
+def not_a_checkpoint(folder: Path) -> str:
+    """Why --resume_from_checkpoint names a folder that is not a checkpoint, and the checkpoints it holds if any."""
+    inside = valid_checkpoints(folder)
+    hint = (f"it holds {', '.join(path.name for path in inside)}: pass {inside[-1]}, or auto for the newest complete "
+            "one in --output_dir" if inside else "give a checkpoint-N folder, or auto for the newest complete one in "
+            "--output_dir")
+    return f"--resume_from_checkpoint {folder}: not a checkpoint (no trainer_state.json); {hint}"
 
 
 def best_checkpoint(state, run_dir: Path, staged: Path) -> str | None:

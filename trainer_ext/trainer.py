@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +27,7 @@ from .metrics_check import checked_compute_metrics
 from .output_dir import hold_output_dir, release_output_dir
 from .preemption import Preempted, PreemptionCallback
 from .private_hooks import PrivateTrainerHooks
-from .run_checkpoints import RunCheckpoints, checkpoint_folder
+from .run_checkpoints import RunCheckpoints, checkpoint_folder, weights_and_step
 from .sagemaker import save_final_model
 from .process_setup import prepare_process
 from .runtime import check_process_group, release_at_exit
@@ -74,6 +75,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self._resume = None  # {"checkpoint", "step", "state", "loss_sum"}: the checkpoint resumed, its step, data
         # position and summed training loss
         self._learning_rate_in_use = None  # the rate of the step being trained, where the backend knows it better
+        self.fresh_optimizer_groups = None  # each group's hyperparameters as this run built them (create_scheduler)
         self._evaluation_model = None  # the backend's engine for an evaluation (see evaluation_loop)
         self._evaluation_losses = None  # the token-weighted loss of the evaluation running (see evaluation_loop)
         self.checkpoints = RunCheckpoints(self)  # resume, publish, rotate, --checkpoint_uri
@@ -242,6 +244,11 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                                               num_training_steps=num_training_steps,
                                               scheduler_specific_kwargs=settings.kwargs)
             self._created_lr_scheduler = True
+            # This run's hyperparameters per group, before a resume loads the checkpoint's over them (see
+            # RunCheckpoints.continue_with_this_runs_settings).
+            optimizer = optimizer if optimizer is not None else self.optimizer
+            self.fresh_optimizer_groups = [{key: value for key, value in group.items() if key != "params"}
+                                           for group in optimizer.param_groups]
         return self.lr_scheduler
 
     # -- data ------------------------------------------------------------------------------------------
@@ -362,12 +369,13 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                 # A job stopped between its last step and the model's save: its finished model into SM_MODEL_DIR.
                 self.final_model_dir = save_final_model(self, finished_before=True)
                 return finished
+            weights_only = self.checkpoints.check_training_state(Path(checkpoint))
             if self.is_world_process_zero():
                 logger.warning("resuming from %s%s", checkpoint, " (pass --fresh_start to start over)"
                                if resume_request(resume_from_checkpoint) == AUTO else "")
             state = read_data_state(checkpoint) if not self.args.ignore_data_skip else None
             self._resume = {"checkpoint": checkpoint, "step": resumed_step(checkpoint), "state": state,
-                            "loss_sum": read_loss_sum(checkpoint)}
+                            "loss_sum": read_loss_sum(checkpoint), "weights_only": weights_only}
             if self._resume["loss_sum"] is None and self.is_world_process_zero():
                 logger.warning("resuming from %s, which records no training loss before its step %d (written by stock "
                                "transformers, logging elsewhere): train_loss will cover the steps trained from here",
@@ -375,7 +383,9 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self.backend.before_train(self, checkpoint)
         self.preemption.install()
         try:
-            result = super().train(resume_from_checkpoint=checkpoint, **kwargs)
+            with weights_and_step(Path(checkpoint)) if checkpoint and self._resume["weights_only"] else \
+                    nullcontext(checkpoint) as resumed:
+                result = super().train(resume_from_checkpoint=str(resumed) if resumed else None, **kwargs)
         finally:
             self.preemption.uninstall()
             self.checkpoints.wait()  # a preempted run's last checkpoint too
@@ -405,6 +415,8 @@ class TrainingHooks(TrainerCallback):
         if trainer._resume is not None:  # transformers loaded the weights, scheduler and optimizer file
             trainer.backend.load_checkpoint(trainer, trainer._resume["checkpoint"])
         trainer.backend.on_train_begin(trainer)
+        if trainer._resume is not None:
+            trainer.checkpoints.continue_with_this_runs_settings(Path(trainer._resume["checkpoint"]))
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # transformers skips a resumed epoch's first batches through a wrapper that hides set_epoch from the sampler;

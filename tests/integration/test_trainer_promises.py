@@ -216,3 +216,79 @@ def test_hyperparameter_search_builds_each_trial_model_with_model_init(tmp_path)
     assert best.run_id in ("0", "1")
     assert sorted(p.name for p in (tmp_path / f"run-{best.run_id}").glob("checkpoint-*")) == ["checkpoint-2",
                                                                                              "checkpoint-4"]
+
+
+def rates(trainer):
+    return {row["step"]: row["learning_rate"] for row in trainer.state.log_history if "learning_rate" in row}
+
+
+def test_raising_max_steps_continues_on_the_new_schedule(tmp_path, caplog):
+    """A finished 2-step run continued to 4 steps trained step 3 at the old linear schedule's last rate, 0, and step 4
+    at 1.25e-5, saying nothing: steps 3-4 must train at the uninterrupted 4-step run's rates, said once."""
+    flags = dict(learning_rate=1e-4, save_steps=1)
+    trained(tmp_path / "run", max_steps=2, **flags)
+    uninterrupted, _ = trained(tmp_path / "four", max_steps=4, **flags)
+    with caplog.at_level(logging.WARNING):
+        continued, _ = trained(tmp_path / "run", resume=str(tmp_path / "run" / "checkpoint-2"), max_steps=4, **flags)
+    assert rates(continued) == {1: 1e-4, 2: 5e-5, 3: 5e-5, 4: 2.5e-5}
+    assert {step: rates(uninterrupted)[step] for step in (3, 4)} == {3: 5e-5, 4: 2.5e-5}
+    assert caplog.text.count("the learning-rate schedule is laid out again for 4 steps (it was written by a run of 2)"
+                             ", from step 3 on: step 3 trains at 5e-05 (instead of 0)") == 1
+
+
+def test_a_weights_only_checkpoint_continues_only_when_asked(tmp_path, caplog):
+    """A --save_only_model checkpoint resumed with "resuming from checkpoint-2" and nothing else, while the optimizer
+    state was new and the schedule restarted at step 1's rate: refused in one line naming what it lacks, and with
+    --resume_weights_only its weights and step continue on the schedule, the optimizer anew, said."""
+    from trainer_ext.checkpoint import CheckpointError
+
+    flags = dict(learning_rate=1e-4, save_steps=1, save_only_model=True)
+    trained(tmp_path / "run", max_steps=2, **flags)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    with pytest.raises(CheckpointError, match=f"{checkpoint} holds no optimizer state \\(saved with --save_only_model\\):"
+                                              " pass --resume_weights_only to continue its weights and step 2 with a "
+                                              "new optimizer state .*, or --fresh_start to start over"):
+        trained(tmp_path / "run", resume=str(checkpoint), max_steps=4, **flags)
+    written = {path.name: path.read_bytes() for path in checkpoint.iterdir()}
+    with caplog.at_level(logging.WARNING):
+        continued, outcome = trained(tmp_path / "run", resume=str(checkpoint), max_steps=4, resume_weights_only=True,
+                                     **flags)
+    assert outcome.global_step == 4 and rates(continued)[3] == 5e-5 and rates(continued)[4] == 2.5e-5
+    assert "--resume_weights_only: " in caplog.text and "the optimizer state starts anew" in caplog.text
+    assert {path.name: path.read_bytes() for path in checkpoint.iterdir()} == written  # resumed from, not changed
+
+
+def test_a_checkpoint_without_its_random_state_resumes_and_says_so(tmp_path, caplog):
+    """A checkpoint missing only rng_state.pth was skipped by auto-resume (training restarted at step 0) and refused
+    when named: it resumes (the data order is ours, exact), saying that the random state is not restored."""
+    from trainer_ext.checkpoint import newest_valid_checkpoint
+
+    trained(tmp_path / "run", max_steps=2)
+    (tmp_path / "run" / "checkpoint-2" / "rng_state.pth").unlink()
+    assert newest_valid_checkpoint(tmp_path / "run", checksums=True) == tmp_path / "run" / "checkpoint-2"
+    with caplog.at_level(logging.WARNING):
+        _, outcome = trained(tmp_path / "run", resume=str(tmp_path / "run" / "checkpoint-2"))
+    assert outcome.global_step == 4 and "holds no rng_state*.pth: the data order continues exactly" in caplog.text
+
+
+def test_resume_from_a_folder_that_is_not_a_checkpoint_names_the_ones_inside(tmp_path):
+    """--resume_from_checkpoint at the run's folder (not a checkpoint) warned, then died with transformers'
+    `FileNotFoundError: trainer_state.json` traceback: one line naming the checkpoints it holds."""
+    trained(tmp_path / "run")
+    with pytest.raises(CheckpointNotFoundError, match=f"--resume_from_checkpoint {tmp_path / 'run'}: not a checkpoint "
+                                                      "\\(no trainer_state.json\\); it holds checkpoint-2, checkpoint-4: "
+                                                      f"pass {tmp_path / 'run' / 'checkpoint-4'}"):
+        trained(tmp_path / "run", resume=str(tmp_path / "run"))
+
+
+def test_a_resume_trains_with_the_learning_rate_and_weight_decay_it_is_given(tmp_path, caplog):
+    """A resumed run restored the checkpoint's learning rate and weight decay over the flags in silence (a raised
+    --learning_rate trained on at the old rate): this run's flags apply from the resumed step, said once."""
+    flags = dict(save_steps=1, lr_scheduler_type="constant")
+    trained(tmp_path / "run", max_steps=2, learning_rate=1e-4, **flags)
+    with caplog.at_level(logging.WARNING):
+        continued, _ = trained(tmp_path / "run", resume=str(tmp_path / "run" / "checkpoint-2"), max_steps=4,
+                               learning_rate=1e-3, weight_decay=0.1, **flags)
+    assert rates(continued) == {1: 1e-4, 2: 1e-4, 3: 1e-3, 4: 1e-3}
+    assert [group["weight_decay"] for group in continued.optimizer.param_groups] == [0.1, 0.0]  # biases, norms: none
+    assert "with this run's settings: weight decay 0.0 -> 0.1; learning rate 0.0001 -> 0.001" in caplog.text

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import PYTHON, REPO, TINY_TRAIN, free_port, run, run_forked, selected
+from conftest import ACCUMULATE, GLUE_COMMON, PYTHON, REPO, TINY_TRAIN, copy_checkpoint, free_port, run, run_forked, selected
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed, pytest.mark.model_package]
 
@@ -40,7 +40,7 @@ CASES = {
     "DeepSpeed key misspelled": (["--deepspeed", '{"zero_optimisation": {"stage": 2}}'],
                                  "did you mean 'zero_optimization'", {}),
     "DeepSpeed batch disagrees": (["--deepspeed", '{"train_batch_size": 7}', "--per_device_train_batch_size", "4"],
-                                  "train_batch_size=7 cannot hold", {}),
+                                  "train_batch_size=7 in the file cannot hold", {}),
     # paths and data, before the model is loaded
     "resume from a missing checkpoint": (["--do_train", "--resume_from_checkpoint", f"{MISSING}/checkpoint-99"],
                                          "no such folder", {}),
@@ -81,6 +81,29 @@ def test_user_error_is_one_line_exit_2_nothing_written(case_runs, case):
     assert CASES[case][1] in out.stderr and "error:" in out.stderr
     assert "Traceback" not in out.stderr
     assert not output_dir.exists()
+
+
+def test_another_backends_checkpoint_is_named_before_it_trains(accumulate_runs, tmp_path):
+    """A DDP checkpoint resumed with --deepspeed died in transformers' `Can't find a valid checkpoint` traceback after
+    the model was built; a ZeRO-2 one resumed without it trained on in silence with a new optimizer. One line each,
+    naming the backend that wrote it and the choices (DeepSpeed cannot continue weights alone: said too); the checkpoint
+    untouched."""
+    ddp = copy_checkpoint(accumulate_runs / "single", 6, tmp_path / "ddp")
+    zero2 = copy_checkpoint(accumulate_runs / "zero2", 3, tmp_path / "zero2")
+    before = {folder: contents(folder) for folder in (ddp, zero2)}
+    common = [*GLUE_COMMON, *ACCUMULATE, "--per_device_train_batch_size", 8]
+    deepspeed = [PYTHON, GLUE, "--output_dir", ddp, *common, "--deepspeed", "zero2_minimal"]
+    out = run_forked({"ddp": (deepspeed, None), "weights only": ([*deepspeed, "--resume_weights_only"], None),
+                      "zero2": ([PYTHON, GLUE, "--output_dir", zero2, *common], None)})
+    assert out["ddp"].returncode == 2 and "Traceback" not in out["ddp"].stderr
+    assert f"{ddp / 'checkpoint-6'} was written by ddp, whose optimizer state deepspeed ZeRO-2 cannot read: resume it " \
+           "without --deepspeed (plain DDP wrote it), pass --resume_weights_only" in out["ddp"].stderr
+    assert out["weights only"].returncode == 2 and "and deepspeed ZeRO-2 resumes only from its own checkpoints: start " \
+        f"a new run from its weights (--model_name_or_path {ddp / 'checkpoint-6'} in the examples" in out["weights only"].stderr
+    assert out["zero2"].returncode == 2 and "Traceback" not in out["zero2"].stderr
+    assert f"{zero2 / 'checkpoint-3'} was written by deepspeed ZeRO-2, whose optimizer state ddp cannot read: resume " \
+           "it with --deepspeed, as it was written" in out["zero2"].stderr
+    assert {folder: contents(folder) for folder in (ddp, zero2)} == before
 
 
 @pytest.mark.parametrize("command,phrase", [

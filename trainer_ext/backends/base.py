@@ -28,6 +28,11 @@ class Backend:
     # Glob patterns of the files or folders holding this backend's own training state in a checkpoint folder (what a
     # checkpoint without Hugging Face weight files must have to be resumable).
     checkpoint_state: tuple[str, ...] = ()
+    # Glob patterns of what a resume of this backend reads of a checkpoint besides the weights: its optimizer state
+    # (transformers' optimizer.pt by default). Backends with the same patterns read each other's checkpoints.
+    optimizer_state: tuple[str, ...] = ("optimizer.pt",)
+    # Whether it can continue a checkpoint's weights and step with a new optimizer state (--resume_weights_only).
+    resumes_weights_only = True
 
     # -- the arguments and the process (class level: before any trainer exists) ------------------------------------
     @classmethod
@@ -121,6 +126,12 @@ class Backend:
     def unwrap(self, model):
         """The user's model inside this backend's wrapper."""
         return model
+
+    def optimizer_hyperparameters(self, trainer) -> list[dict] | None:
+        """Where this backend builds the optimizer from its own settings: each parameter group's hyperparameters as this
+        run's flags set them (lr, betas, eps, weight_decay), which a resume puts back over the checkpoint's; None: the
+        optimizer ExtTrainer built."""
+        return None
 
     def on_train_begin(self, trainer) -> None:
         """After transformers wrapped and prepared the model and optimizer, before the first step."""

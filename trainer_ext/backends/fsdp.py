@@ -155,6 +155,7 @@ class FSDPBackend(Backend):
     wraps_before_optimizer = True  # the optimizer is built on the shards fully_shard creates
     needs_process_group = True  # fully_shard needs a process group, also for one process
     checkpoint_state = (SHARDS,)
+    optimizer_state = checkpoint_state
 
     @classmethod
     def selected(cls, args) -> bool:
@@ -343,6 +344,8 @@ class FSDPBackend(Backend):
         from the checkpoint's consolidated model, loaded by transformers before wrapping)."""
         folder = Path(checkpoint) / SHARDS
         if not folder.is_dir():
+            if trainer._resume and trainer._resume.get("weights_only"):  # said by RunCheckpoints.check_training_state
+                return
             raise UserError(f"checkpoint {checkpoint} has no {SHARDS}/ (written by another backend): resume it with "
                             "the backend that wrote it, or pass --fresh_start")
         import torch.distributed.checkpoint as dcp

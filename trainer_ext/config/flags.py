@@ -79,6 +79,12 @@ class ExtTrainingArguments(TrainingArguments):
         default=None, metadata={"help": "fsspec options for --checkpoint_uri as JSON, e.g. "
                                         '\'{"endpoint_url": "http://127.0.0.1:9000"}\'.'}
     )
+    resume_weights_only: bool = field(
+        default=False, metadata={"help": "Resume a checkpoint that holds no optimizer state this backend reads (saved "
+                                         "with --save_only_model, or by another backend): its weights and step "
+                                         "continue, the optimizer state starts anew, the schedule continues at its "
+                                         "step. Refused without it."}
+    )
     checkpoint_dir: str | None = field(
         default=None, metadata={"help": "Write checkpoints here and resume from here (default: output_dir; in a "
                                         "SageMaker job, the folder synced with checkpoint_s3_uri)."}
@@ -180,14 +186,25 @@ class ExtArgumentParser(HfArgumentParser):
             self.error("; ".join(messages))
 
     def unrecognized(self, argv) -> list[str]:
-        """One message per word of argv this parser does not take, with the closest valid flag."""
+        """One message per word of argv this parser does not take: what to type instead of a flag transformers 5
+        removed (or another tool's spelling), else the closest valid flag."""
+        from .checks import REPORT_TO_NAMES
+        from .removed import advice
+
         _, unknown = self.parse_known_args(argv)
         flags = [word.split("=")[0] for word in unknown if word.startswith("-")]
         valid = [option for action in self._actions for option in action.option_strings]
         messages = []
         for word in flags or unknown:
-            hint = closest(word, valid)
-            messages.append(f"unrecognized argument {word}" + (f" (did you mean {hint}?)" if hint else ""))
+            instead = advice(word) if word.startswith("-") else None
+            if instead:
+                messages.append(f"unrecognized argument {word}: {instead}")
+            elif word in REPORT_TO_NAMES and "--report_to" in valid:  # v4 took --report_to a b
+                messages.append(f"unrecognized argument {word}: --report_to takes one word; give several "
+                                "integrations separated by commas, e.g. --report_to tensorboard,wandb")
+            else:
+                hint = closest(word, valid)
+                messages.append(f"unrecognized argument {word}" + (f" (did you mean {hint}?)" if hint else ""))
         return messages
 
     def flags_named(self, argv) -> frozenset[str]:
