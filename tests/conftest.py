@@ -38,17 +38,16 @@ BIN = Path(sys.executable).parent
 DISTRIBUTED_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 
+# `trainer-ext build-ops` itself (what README tells users to run), in a process of its own; the marker file once it
+# succeeded.
 PREBUILD = """
-import sys, time
+import sys
 from pathlib import Path
-from deepspeed.accelerator import get_accelerator
-for name in ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder"):
-    builder = get_accelerator().create_op_builder(name)
-    if builder is not None and builder.is_compatible(verbose=False):
-        start = time.time()
-        builder.load(verbose=False)
-        print(f"{builder.NAME}: {time.time() - start:.0f} s")
-Path(sys.argv[1]).touch()
+from trainer_ext.cli import main
+code = main(["build-ops"])
+if code == 0:
+    Path(sys.argv[1]).touch()
+sys.exit(code)
 """
 
 SHARED_ENV = "TRAINER_EXT_TEST_SHARED"
@@ -160,7 +159,8 @@ def _wait_for_deepspeed_ops():
     built = log.read()
     log.close()
     # Said in the summary: a test's output is captured while its fixtures wait.
-    timings = ", ".join(line for line in built.splitlines() if re.fullmatch(r"\w+: \d+ s", line))  # PREBUILD's
+    timings = ", ".join(f"{name}: {seconds} s" for name, seconds in  # build-ops' lines
+                        re.findall(r"^\s*(\w+): ready \((?:built|loaded) in (\d+)(?:\.\d)? s\)", built, re.M))
     _OPS["said"] = (f"DeepSpeed's ops built in the background ({timings}); the tests waited "
                     f"{time.time() - waiting:.0f} s for them"
                     if process.returncode == 0 else f"building DeepSpeed's ops failed or took over 30 min (the DeepSpeed "
@@ -707,4 +707,35 @@ def tiny_bart_config(path):
 
     BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
                encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64).to_json_file(path)
+    return path
+
+
+# -- the examples run in this process ----------------------------------------------------------------------------------
+EXAMPLES = REPO / "examples"
+
+
+def example(name):
+    """examples/<name>.py's main, imported from its file (its flags and its one-line exit, in this process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def user_error(capsys, name, *argv):
+    """Run an example that must stop on a user's mistake: returns its stderr, after checking exit status 2, one
+    error line and no traceback."""
+    with pytest.raises(SystemExit) as stopped:
+        example(name)([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err[-3000:]
+    assert "error:" in err and "Traceback" not in err
+    return err
+
+
+def write_lines(path, rows):
+    """A JSON lines file of `rows`."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path

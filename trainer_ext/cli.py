@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-USAGE = """usage: trainer-ext COMMAND [options]
+USAGE = """usage: trainer-ext COMMAND [options]   (trainer-ext --version: the versions a bug report needs)
 
 commands:
   ds-config   print the complete DeepSpeed config for a file and TrainingArguments flags
@@ -20,6 +20,8 @@ commands:
               trainer-ext search experiment.yaml [--launcher python|torchrun|deepspeed|torch.distributed.launch]
                                  [--nproc_per_node N] [--parallel_trials N] [--max_trials N] [--study_dir DIR]
                                  [--keep_checkpoints] [--check] [--FIELD VALUE ...]   (flags: every trial)
+  build-ops   build DeepSpeed's ops ahead of the first run (once per environment; minutes each)
+              trainer-ext build-ops
   plan        predict per-rank memory of every backend and name the cheapest that fits a device
               trainer-ext plan --model PATH|--num_parameters N --world_size N [--fp16|--bf16] [--offload]
                                [--per_device_train_batch_size N] [--max_seq_length N (packed length)]
@@ -30,9 +32,11 @@ commands:
 
 
 def ds_config(argv: list[str]) -> int:
+    from .backends.deepspeed import resolve_checked
     from .config.checks import flag_problems
     from .config.flags import ExtArgumentParser, ExtTrainingArguments
-    from .deepspeed_config import DeepSpeedConfigError, explain, resolve_deepspeed_config
+    from .deepspeed_config import DeepSpeedConfigError, explain
+    from .deepspeed_config.passes import nvme_offloads
 
     parser = ExtArgumentParser(ExtTrainingArguments, prog="trainer-ext ds-config",
                                description="Resolve a DeepSpeed config against TrainingArguments flags.")
@@ -50,13 +54,16 @@ def ds_config(argv: list[str]) -> int:
     if problems:
         parser.error("\n".join(problems))
     try:
-        resolution = resolve_deepspeed_config(args, args.deepspeed or {}, world_size=args.world_size,
-                                              num_training_steps=args.num_training_steps,
-                                              hidden_size=args.hidden_size, cpu_ranks=args.use_cpu)
+        resolution = resolve_checked(args, args.deepspeed or {}, world_size=args.world_size,
+                                     num_training_steps=args.num_training_steps, hidden_size=args.hidden_size,
+                                     cpu_ranks=args.use_cpu)
     except DeepSpeedConfigError as err:
         print(f"trainer-ext ds-config: error: {err}", file=sys.stderr)
         return 2
     print(explain(resolution) if args.explain else json.dumps(resolution.config, indent=2))
+    for field, path in nvme_offloads(resolution.config):  # a machine's folder: this may be a login node
+        print(f"trainer-ext ds-config: note: {field} {path} is not checked here; training checks on each machine, "
+              "before any work, that it is a folder there that it can write", file=sys.stderr)
     return 0
 
 
@@ -110,9 +117,9 @@ def experiment_first(argv: list[str]) -> list[str]:
     return [files[0], *rest]
 
 
-def search(argv: list[str]) -> int:
+def search_parser():
+    """`trainer-ext search`'s own flags (every other flag goes to the trials)."""
     import argparse
-    import os
 
     parser = argparse.ArgumentParser(prog="trainer-ext search", allow_abbrev=False,
                                      description="Search the hyperparameters of an experiment file's search section.",
@@ -133,7 +140,15 @@ def search(argv: list[str]) -> int:
     parser.add_argument("--keep_checkpoints", action="store_true", help="keep every trial's checkpoints and "
                                                                        "weights (default: the best trial's only)")
     parser.add_argument("--check", action="store_true", help="validate only: print the search and a trial's command")
+    return parser
+
+
+def search(argv: list[str]) -> int:
+    import os
+
+    parser = search_parser()
     args, flags = parser.parse_known_args(experiment_first(argv))
+    flags, misspelled = search_flags_misspelled(parser, flags)
 
     from .search import require_optuna
     from .search.check import validate
@@ -149,7 +164,7 @@ def search(argv: list[str]) -> int:
         result = validate(args.experiment, flags, overrides)
     except KeyboardInterrupt:  # nothing started yet
         return 130
-    problems = result["problems"] + launcher.problems()
+    problems = misspelled + result["problems"] + launcher.problems()
     problems += [f"--{key} {value}: must be at least 1" for key, value in overrides.items()
                  if isinstance(value, int) and value < 1]
     if problems:
@@ -168,6 +183,32 @@ def search(argv: list[str]) -> int:
         return 0
     return Search(settings, experiment, flags, launcher, args.keep_checkpoints, result["deepspeed"],
                   result["checkpoint_uri"], result["storage_options"]).run()
+
+
+def search_flags_misspelled(parser, flags: list[str]) -> tuple[list[str], list[str]]:
+    """(the flags for the trials, one problem per flag that is no task's but a near miss of the search's own): the
+    trials' parser suggested the closest task flag, --max_trial -> --max_train_samples."""
+    from .config.experiment_file import TASKS, argument_classes
+    from .config.flags import ExtArgumentParser
+    from .errors import closest
+
+    own = [option for action in parser._actions for option in action.option_strings if option.startswith("--")]
+    words = [word for word in flags if word.startswith("--")]
+    if not words:
+        return flags, []
+    tasks = {option for task in TASKS for action in ExtArgumentParser(argument_classes(task))._actions
+             for option in action.option_strings}
+    near = {word: hint for word in words if word.split("=")[0] not in tasks
+            and (hint := closest(word.split("=")[0], own, cutoff=0.85))}
+    kept, skip = [], False
+    for word in flags:  # a misspelled flag's value goes with it
+        if skip and not word.startswith("-"):
+            skip = False
+            continue
+        skip = word in near and "=" not in word
+        if word not in near:
+            kept.append(word)
+    return kept, [f"unrecognized argument {word} (did you mean {hint}?)" for word, hint in near.items()]
 
 
 def plan(argv: list[str]) -> int:
@@ -207,15 +248,30 @@ def plan(argv: list[str]) -> int:
     lora.add_argument("--lora_alpha", type=float, help="accepted for a training command's flags; no memory effect")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
     args = parser.parse_args(argv)
+    problems = []
+
+    def read(parse, *values):
+        try:
+            return parse(*values)
+        except PlanError as err:
+            problems.append(str(err))
+            return None
+
+    if args.num_labels < 0:
+        problems.append(f"--num_labels {args.num_labels}: give the classifier's number of labels (0: no "
+                        "classification head)")
+    count = read(parse_count, args.num_parameters) if args.num_parameters else None
+    device_memory = read(parse_bytes, args.device_memory) if args.device_memory else None
     try:
-        size = (ModelSize(parse_count(args.num_parameters), "--num_parameters") if args.num_parameters
+        if problems:  # every mistake in the numbers given at once
+            raise PlanError("\n".join(problems))
+        size = (ModelSize(count, "--num_parameters") if args.num_parameters
                 else model_size(args.model, num_labels=args.num_labels))
         if args.lora_r is None and (args.lora_target_modules or args.lora_dropout or args.lora_alpha is not None):
             raise PlanError("--lora_target_modules, --lora_dropout and --lora_alpha describe LoRA adapters: give "
                             "their rank too, e.g. --lora_r 16")
         adapters = (lora_settings(size.decoder, args.lora_r, args.lora_target_modules, args.lora_dropout)
                     if args.lora_r is not None else None)
-        device_memory = parse_bytes(args.device_memory) if args.device_memory else None
         result = make_plan(size, args.world_size, "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
                            offload=args.offload, batch_size=args.per_device_train_batch_size,
                            seq_length=args.max_seq_length, device_memory=device_memory, attention=args.attention,
@@ -234,7 +290,27 @@ def plan(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"ds-config": ds_config, "plan": plan, "search": search, "train": train}
+def build_ops(argv: list[str]) -> int:
+    import argparse
+    import importlib.util
+
+    from .backends.deepspeed import INSTALL
+
+    argparse.ArgumentParser(prog="trainer-ext build-ops", allow_abbrev=False,
+                            description="Build DeepSpeed's JIT ops (its CPU all-reduce, FusedAdam, CPU Adam) into "
+                                        "this environment, so no DeepSpeed run builds them silently first. Once per "
+                                        "environment; they go to $TORCH_EXTENSIONS_DIR, else torch's "
+                                        "~/.cache/torch_extensions.").parse_args(argv)
+    if importlib.util.find_spec("deepspeed") is None:
+        print(f"trainer-ext build-ops: error: DeepSpeed is not installed, so it has no ops to build: {INSTALL}",
+              file=sys.stderr)
+        return 2
+    from .ops import build_ops as build
+
+    return build()
+
+
+COMMANDS = {"build-ops": build_ops, "ds-config": ds_config, "plan": plan, "search": search, "train": train}
 
 
 def search_as_checked(settings) -> str:
@@ -262,11 +338,39 @@ def _without_local_rank(argv: list[str]) -> list[str]:
     return kept
 
 
+# What a bug report needs: this package and the libraries that decide how a run trains (read from their metadata, so
+# that --version answers in a second and works where one of them is broken).
+VERSION_OF = ("torch", "transformers", "accelerate", "datasets", "deepspeed", "fairscale", "peft", "trl", "optuna",
+              "safetensors", "tokenizers")
+
+
+def versions() -> str:
+    """`trainer-ext --version`: trainer_ext's version and path, Python's, and each library of VERSION_OF (or "not
+    installed"); torch's local version names its build (+cpu, +cu128)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+    from pathlib import Path
+
+    from . import __version__
+
+    lines = [f"trainer_ext {__version__} ({Path(__file__).resolve().parent})",
+             f"python {platform.python_version()} ({platform.platform()})"]
+    for name in VERSION_OF:
+        try:
+            lines.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            lines.append(f"{name} not installed")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = _without_local_rank(sys.argv[1:] if argv is None else list(argv))
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("--version", "-V", "version"):
+        print(versions())
+        return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         from .errors import closest

@@ -328,7 +328,7 @@ def test_a_bad_deepspeed_section_is_named_as_such(tmp_path, section):
         load_experiment(path)
     message = str(raised.value)
     assert message.startswith(f"{path}: deepspeed: ") and "hyperparameters" not in message and "(dict)" not in message
-    assert "zero_optimization.stage must be 0, 1, 2 or 3, got 7" in message
+    assert "zero_optimization.stage=7: must be 0, 1, 2 or 3, as DeepSpeed requires" in message
 
 
 def test_nvme_paths_in_a_deepspeed_section_follow_the_experiment_file(tmp_path):

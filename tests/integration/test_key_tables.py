@@ -48,6 +48,61 @@ def test_section_keys_equal_deepspeed_models():
     assert dc.BF16_KEYS == model_keys(DeepSpeedBF16Config)
 
 
+def field_kind(model, key) -> tuple[str, bool]:
+    """A pydantic field's FieldType kind, and whether its model accepts null for it."""
+    import enum
+    import pathlib
+    import typing
+
+    from pydantic import BaseModel
+
+    field = next(field for name, field in model.model_fields.items() if key in (name, field.alias))
+    try:
+        nullable = model(**{key: None}) is not None  # Optional, or a validator's own reading of null
+    except (ValueError, TypeError):
+        nullable = False
+    annotation = field.annotation
+    if typing.get_origin(annotation) is typing.Union:
+        (annotation,) = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "object", nullable
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return ("stage" if issubclass(annotation, int) else "device"), nullable
+    return {bool: "bool", int: "int", float: "float", pathlib.Path: "path"}[annotation], nullable
+
+
+@pytest.mark.deepspeed
+def test_field_types_follow_deepspeeds_models():
+    """A field DeepSpeed checks that the table lacks (or types otherwise) would pass ds-config and fail once the model
+    is loaded; the nested offload blocks refuse unknown keys as DeepSpeed does."""
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig, OffloadDeviceEnum,
+                                                       DeepSpeedZeroOffloadParamConfig)
+
+    from trainer_ext.deepspeed_config.keys import FIELD_TYPES, NESTED_SECTION_KEYS, OFFLOAD_DEVICES
+
+    models = {"zero_optimization": DeepSpeedZeroConfig, "fp16": DeepSpeedFP16Config, "bf16": DeepSpeedBF16Config,
+              "zero_optimization.offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig,
+              "zero_optimization.offload_param": DeepSpeedZeroOffloadParamConfig}
+    assert set(FIELD_TYPES) == set(models)
+    for section, model in models.items():
+        assert set(FIELD_TYPES[section]) == model_keys(model), section
+        if section in NESTED_SECTION_KEYS:
+            assert NESTED_SECTION_KEYS[section] == model_keys(model)
+        for name, field in model.model_fields.items():
+            for key in {name, field.alias} - {None}:
+                spec = FIELD_TYPES[section][key]
+                assert (spec.kind, spec.nullable) == field_kind(model, key), f"{section}.{key}"
+                if f"{section}.{key}" == "fp16.loss_scale":  # bounded by DeepSpeed's own validator, not by Field()
+                    continue
+                gt, ge, le = ([getattr(bound, name) for bound in field.metadata if hasattr(bound, name)] or [None]
+                              for name in ("gt", "ge", "le"))
+                assert (spec.low, spec.low_open, spec.high) == (gt[0] if gt[0] is not None else ge[0],
+                                                                gt[0] is not None, le[0]), f"{section}.{key}"
+    assert set(OFFLOAD_DEVICES) == {device.value for device in OffloadDeviceEnum}
+
+
 @pytest.mark.deepspeed
 def test_removed_keys_cover_deepspeed_removals():
     """A block DeepSpeed removed (amp, elasticity, ...) must be refused up front, saying what replaces it."""

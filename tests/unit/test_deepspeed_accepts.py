@@ -166,3 +166,65 @@ def test_check_grad_overflow_false_in_the_file_is_kept_with_a_warning(deepspeed_
                                           world_size=1, num_training_steps=10)
     assert deepspeed_accepts(resolution.config, 1).bfloat16_config.check_grad_overflow is False
     assert any("write NaN into the weights" in note for note in resolution.notes)
+
+
+# Values a file may hold for a scalar field, good and bad: words, numbers of each kind and sign, bounds, bool-like text,
+# null and containers. Each is read as DeepSpeed would get it (the translator's numeric strings as numbers).
+SCALARS = ["huge", "", "true", "Yes", "off", "cpu", "nvme", "CPU", "cpuu", "/tmp", None, [], {}, [1], -1, 0, 1, 2, 3, 4,
+           0.5, 1.0, 1.5, -0.5, 5e8, 5e8 + 0.5, 1e30, float("inf"), float("nan"), True, False, "8", "5e8", "-1", "0.25",
+           "1_000"]
+
+
+def oracle_models():
+    """Each FIELD_TYPES section -> (DeepSpeed's model, the section's other fields for the check, where the section sits
+    in a file)."""
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
+                                                       DeepSpeedZeroOffloadParamConfig)
+
+    zero3 = {"zero_optimization": {"stage": 3}}  # offload ratio < 1 is a stage-3 setting
+    return {"zero_optimization": (DeepSpeedZeroConfig, {"stage": 2}, {}),
+            # With a folder: "nvme" without one DeepSpeed's model accepts, and fails at its first swap (we refuse it).
+            "zero_optimization.offload_optimizer": (DeepSpeedZeroOffloadOptimizerConfig, {"nvme_path": "/nvme"}, zero3),
+            "zero_optimization.offload_param": (DeepSpeedZeroOffloadParamConfig, {"nvme_path": "/nvme"}, zero3),
+            "fp16": (DeepSpeedFP16Config, {}, {}), "bf16": (DeepSpeedBF16Config, {}, {})}
+
+
+def test_each_field_is_refused_exactly_when_deepspeeds_own_model_refuses_it(deepspeed_accepts):
+    """`"reduce_bucket_size": "huge"` rendered fine and failed in DeepSpeed's pydantic check once the model was loaded,
+    with a traceback; a table stricter than DeepSpeed's models would refuse files DeepSpeed trains with."""
+    from pydantic import ValidationError
+
+    from trainer_ext.deepspeed_config.fields import numbers_from_strings, set_field
+    from trainer_ext.deepspeed_config.keys import FIELD_TYPES
+
+    disagreements, checked = [], 0
+    for section, (model, base, around) in oracle_models().items():
+        for key in FIELD_TYPES[section]:
+            for value in SCALARS:
+                block = {**base, key: value}
+                try:
+                    model(**numbers_from_strings(block))
+                    theirs = "accepts"
+                except (ValidationError, ValueError, TypeError, AssertionError):  # each raised by some validator
+                    theirs = "refuses"
+                config = json.loads(json.dumps(around))
+                set_field(config, section, {**base, **(get_block(config, section)), key: value})
+                try:
+                    resolve_deepspeed_config({}, config, world_size=1, num_training_steps=10)
+                    ours = "accepts"
+                except DeepSpeedConfigError as err:
+                    ours = "refuses"
+                    assert all(f"{section}.{key}" in problem for problem in err.problems), err.problems
+                checked += 1
+                if ours != theirs:
+                    disagreements.append(f"{section}.{key}={value!r}: DeepSpeed {theirs}, we {ours}")
+    assert not disagreements, "\n".join(disagreements)
+    assert checked > 2500
+
+
+def get_block(config, section):
+    from trainer_ext.deepspeed_config.fields import get_field
+
+    return get_field(config, section) or {}

@@ -4,6 +4,7 @@ and align its scheduler and overflow check with transformers'."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -32,6 +33,8 @@ class DeepSpeedBackend(Backend):
     install = INSTALL
     needs_process_group = True  # without a launcher DeepSpeed looks for MPI and dies importing mpi4py
     checkpoint_state = ("global_step*",)  # the engine's own checkpoint: ZeRO shards, also without consolidated weights
+    optimizer_state = checkpoint_state
+    resumes_weights_only = False  # transformers resumes the engine from its own files only
 
     @classmethod
     def prepare_environment(cls) -> None:
@@ -48,13 +51,15 @@ class DeepSpeedBackend(Backend):
 
     @classmethod
     def prepare_arguments(cls, args) -> None:
-        """Phase 1 of the translation, before transformers builds its own DeepSpeed config from `args.deepspeed`."""
+        """Phase 1 of the translation (with DeepSpeed's own check of the file), before transformers builds its own
+        DeepSpeed config from `args.deepspeed`."""
         from ..cuda_arch import check_for_deepspeed
         from ..runtime import cpu_ranks
 
         if not cpu_ranks(args):
             check_for_deepspeed()  # a TORCH_CUDA_ARCH_LIST its op builder cannot read: refused before any work
-        apply_resolution(args, resolve_deepspeed_config(args, args.deepspeed, final=False, cpu_ranks=cpu_ranks(args)))
+        apply_resolution(args, resolve_checked(args, args.deepspeed, this_machine=True, final=False,
+                                               cpu_ranks=cpu_ranks(args)))
 
     @classmethod
     def arguments_ready(cls, args) -> None:
@@ -69,15 +74,18 @@ class DeepSpeedBackend(Backend):
     @classmethod
     def prepare_process(cls, args) -> None:
         """Before DeepSpeed loads an op: no stale build locks or shared-memory buffers of killed jobs, a
-        TORCH_CUDA_ARCH_LIST its op builder can read, and under ZeRO-3 DeepSpeed in the process group."""
+        TORCH_CUDA_ARCH_LIST its op builder can read, the ops it will build said, and under ZeRO-3 DeepSpeed in the
+        process group."""
         from ..cuda_arch import prepare_for_deepspeed
         from ..leftovers import clear_leftovers
+        from ..ops import announce_builds
         from ..runtime import cpu_ranks
 
         clear_leftovers()
         if not cpu_ranks(args):
             prepare_for_deepspeed()
         resolution = getattr(args, "deepspeed_resolution", None) or resolve_stock_arguments(args)
+        announce_builds(resolution.config)  # DeepSpeed compiles in silence: minutes that look like a hang
         if zero_stage(resolution) == 3:
             args.device  # noqa: B018 (transformers' property sets up the process group)
             join_deepspeed_group()
@@ -256,6 +264,16 @@ class DeepSpeedBackend(Backend):
         finally:
             trainer.is_deepspeed_enabled = True
 
+    def optimizer_hyperparameters(self, trainer) -> list[dict] | None:
+        """The optimizer section of the config that ran (the flags, translated): every group's."""
+        config = self.resolution.config if self.resolution is not None else {}
+        params = dict(config.get("optimizer", {}).get("params", {}))
+        engine = getattr(trainer.model_wrapped, "optimizer", None)
+        if not params or engine is None:
+            return None
+        return [{key: params[key] for key in ("lr", "betas", "eps", "weight_decay") if key in params}
+                for _ in engine.param_groups]
+
     def learning_rate_in_use(self, trainer) -> float | None:
         # accelerate runs engine.step() (optimizer and scheduler) inside backward, before transformers reads
         # the rate "before the update"; the engine's rate before the training step is the one used.
@@ -413,13 +431,132 @@ def resolve_stock_arguments(args):
 
     from ..runtime import cpu_ranks
 
-    resolution = resolve_deepspeed_config(args, args.deepspeed, world_size=args.world_size, final=False,
-                                          cpu_ranks=cpu_ranks(args))
+    resolution = resolve_checked(args, args.deepspeed, this_machine=True, world_size=args.world_size, final=False,
+                                 cpu_ranks=cpu_ranks(args))
     apply_resolution(args, resolution)
     args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(args.deepspeed)
     args.hf_deepspeed_config.trainer_config_process(args)
     args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
     return resolution
+
+
+def resolve_checked(args, config=None, this_machine: bool = False, **kwargs):
+    """Phase 1 of the translation and, where DeepSpeed is installed, what DeepSpeed's own config parser refuses in the
+    same file: every problem in one DeepSpeedConfigError (training and `trainer-ext ds-config` both call this). The
+    sections the translator reads itself it checks as DeepSpeed's models do (FIELD_TYPES); DeepSpeed's parser adds the
+    sections passed through (monitors, comms_logger, compile, ...) and rules across fields. `this_machine`: the run
+    trains here, so what the file needs of this machine is checked too (ZeRO-3's NVMe folder); ds-config renders for
+    other machines and does not."""
+    from ..deepspeed_config import DeepSpeedConfigError, load_deepspeed_config
+    from ..deepspeed_config.fields import numbers_from_strings
+    from ..deepspeed_config.keys import FIELD_TYPES, KNOWN_TOP_LEVEL_KEYS
+
+    config = (args.get("deepspeed") if isinstance(args, dict) else getattr(args, "deepspeed", None)) \
+        if config is None else config
+    try:
+        resolution = resolve_deepspeed_config(args, config or {}, **kwargs)
+    except DeepSpeedConfigError as err:
+        try:
+            loaded = numbers_from_strings(load_deepspeed_config(config or {})[0])
+        except DeepSpeedConfigError:  # the file itself cannot be read: nothing more to check
+            raise err from None
+        passed_through = {key: value for key, value in loaded.items()
+                          if key in KNOWN_TOP_LEVEL_KEYS and key not in FIELD_TYPES and key != "bfloat16"}
+        more = deepspeed_refusals(passed_through) + (nvme_problems(loaded) if this_machine else [])
+        if more:
+            raise DeepSpeedConfigError(err.problems + more, err.origin) from None
+        raise
+    problems = deepspeed_refusals(resolution.config) + (nvme_problems(resolution.config) if this_machine else [])
+    if problems:
+        raise DeepSpeedConfigError(problems, resolution.origin)
+    return resolution
+
+
+def nvme_problems(config: dict) -> list[str]:
+    """ZeRO-3's NVMe offload on this machine (each rank checks its own): every nvme_path an existing folder this user
+    can write, and DeepSpeed's async_io op, which swaps through it, buildable here. DeepSpeed would find out once the
+    model is loaded and its optimizer ops built (minutes), or create the folder on whatever disk holds a mistyped
+    path."""
+    import os
+    import socket
+
+    from ..deepspeed_config.passes import nvme_offloads
+
+    offloads = [(field, path) for field, path in nvme_offloads(config) if isinstance(path, str) and path]
+    problems = []
+    for field, path in offloads:
+        folder = Path(os.path.expanduser(path))
+        if not folder.exists():
+            why = f"no such folder on this machine ({socket.gethostname()}): create it on the NVMe drive, or fix it"
+        elif not folder.is_dir():
+            why = "a file, not a folder: give the folder on the NVMe drive"
+        elif not os.access(folder, os.W_OK | os.X_OK):
+            why = f"this user (uid {os.getuid()}) cannot write there: give a folder it can write, or fix its modes"
+        else:
+            continue
+        problems.append(f"{field}={path}: {why}; or offload to \"cpu\"")
+    if offloads and not deepspeed_op_buildable("AsyncIOBuilder"):
+        block = offloads[0][0].rpartition(".")[0]
+        problems.append(f"{block}.device \"nvme\": ZeRO-3 swaps through DeepSpeed's async_io op, which "
+                        "cannot be built on this machine (libaio is missing: apt install libaio-dev, or "
+                        "yum install libaio-devel): install it, or offload to \"cpu\"")
+    return problems
+
+
+def deepspeed_op_buildable(builder_name: str) -> bool:
+    """Whether DeepSpeed has this op prebuilt or can build it here (its builder's own compatibility check)."""
+    with deepspeed_imported():
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+
+    builder = get_accelerator().create_op_builder(builder_name)
+    return builder is not None and (installed_ops.get(builder.NAME, False) or builder.is_compatible(verbose=False))
+
+
+@contextmanager
+def deepspeed_imported():
+    """Import DeepSpeed's modules inside without its "Setting accelerator to CPU" warning on a machine without a GPU:
+    DS_ACCELERATOR=cpu for the import only (prepare_environment sets the same choice for the run itself)."""
+    import os
+
+    from ..runtime import accelerator_available
+
+    quiet = "deepspeed" not in sys.modules and "DS_ACCELERATOR" not in os.environ and not accelerator_available()
+    if quiet:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        yield
+    finally:
+        if quiet:
+            del os.environ["DS_ACCELERATOR"]
+
+
+def deepspeed_refusals(config: dict) -> list[str]:
+    """What DeepSpeed's config parser refuses in each top-level section of `config`, one line per problem ([] where
+    DeepSpeed is not installed). Each section is read alone by the code DeepSpeedConfig runs on the whole file
+    (_initialize_params, its pydantic models among it), so one section's problem does not hide another's."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return []
+    with deepspeed_imported():
+        from deepspeed.runtime.config import DeepSpeedConfig
+        from pydantic import ValidationError
+    problems = []
+    for section, value in config.items():
+        # The parser's field readers without its batch checks (private: tests/unit/test_deepspeed_accepts.py checks it).
+        reader = DeepSpeedConfig.__new__(DeepSpeedConfig)
+        try:
+            reader._initialize_params({section: copy.deepcopy(value)})  # noqa: SLF001
+        except ValidationError as err:
+            for error in err.errors():
+                where = ".".join([section, *(str(part) for part in error["loc"] if part != section)])
+                message = error["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+                shown = f"={json.dumps(error['input'], default=str)}" if error["loc"] else ""
+                problems.append(f"{where}{shown}: DeepSpeed refuses it: {message}")
+        except Exception as err:  # noqa: BLE001 (DeepSpeed's readers raise assertions, ValueErrors, TypeErrors)
+            problems.append(f"{section}: DeepSpeed refuses it: {err}")
+    return problems
 
 
 def join_deepspeed_group() -> None:

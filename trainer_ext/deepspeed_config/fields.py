@@ -1,15 +1,16 @@
-"""A config's dotted fields (read, write, list, compare) and where each value came from: a Source is data the passes
-ask (its Origin), and its words are what `trainer-ext ds-config --explain` prints."""
+"""A config's dotted fields (read, write, list, compare, read as DeepSpeed's models read them) and where each value came
+from: a Source is data the passes ask (its Origin), and its words are what `trainer-ext ds-config --explain` prints."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from .keys import INTEGER_TEXT, NUMBER_TEXT, STRING_KEYS
+from .keys import INTEGER_TEXT, NUMBER_TEXT, OFFLOAD_DEVICES, STRING_KEYS, FieldType
 
 
 class Origin(Enum):
@@ -118,3 +119,58 @@ def positive_int(value) -> bool:
 def show(value) -> str:
     """A value as a flag would be typed: strings bare, the rest as JSON."""
     return json.dumps(value) if not isinstance(value, str) else value
+
+
+# pydantic's lax reading of text as a bool, and of digits with underscores as an integer ("1_000").
+TRUE_TEXT, FALSE_TEXT = frozenset({"1", "on", "t", "true", "y", "yes"}), frozenset({"0", "off", "f", "false", "n", "no"})
+GROUPED_DIGITS = re.compile(r"^\s*[+-]?\d+(_\d+)+\s*$")
+
+
+def read_field(spec: FieldType, value: Any) -> tuple[bool, Any]:
+    """Whether DeepSpeed's config model accepts `value` for a field of this type (its pydantic lax rules), and the value
+    as the translator keeps it: bool-like values as true/false, a stage as an integer, numbers as written."""
+    if value is None:
+        return spec.nullable, None
+    if spec.kind == "object":
+        return isinstance(value, dict), value
+    if spec.kind == "path":
+        return isinstance(value, str), value
+    if spec.kind == "device":
+        return isinstance(value, str) and value in OFFLOAD_DEVICES, value
+    if spec.kind == "bool":
+        if isinstance(value, bool):
+            return True, value
+        if isinstance(value, (int, float)) and value in (0, 1):
+            return True, bool(value)
+        if isinstance(value, str) and value.lower() in TRUE_TEXT | FALSE_TEXT:
+            return True, value.lower() in TRUE_TEXT
+        return False, value
+    if isinstance(value, bool):
+        number = int(value) if spec.bools else None
+    elif isinstance(value, int):
+        number = value
+    elif isinstance(value, float):
+        whole = value.is_integer() and -2 ** 63 <= value < 2 ** 63  # pydantic's int64 reading of a float
+        number = value if math.isfinite(value) and (spec.kind == "float" or whole) else None
+    elif isinstance(value, str) and spec.kind != "stage" and GROUPED_DIGITS.match(value):
+        number = value = int(value.replace("_", ""))
+    else:
+        number = None
+    if number is None:
+        return False, value
+    low, high = (0, 3) if spec.kind == "stage" else (spec.low, spec.high)
+    if (low is not None and (number <= low if spec.low_open else number < low)) or (high is not None and number > high):
+        return False, value
+    return True, int(number) if spec.kind == "stage" else value
+
+
+def requirement(spec: FieldType) -> str:
+    """What a field of this type must be, in a problem's words."""
+    if spec.kind in ("int", "float"):
+        bound = (f" > {spec.low:g}" if spec.low_open else f" in [{spec.low:g}, {spec.high:g}]" if spec.high is not None
+                 else f" >= {spec.low:g}" if spec.low is not None else "")
+        what = ("a whole number" if spec.kind == "int" else "a number") + bound
+    else:
+        what = {"bool": "true or false", "stage": "0, 1, 2 or 3", "path": "a folder's path (text)",
+                "object": "a JSON object", "device": '"cpu", "nvme" or "none"'}[spec.kind]
+    return what + (", or null" if spec.nullable else "")

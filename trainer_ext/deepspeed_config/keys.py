@@ -5,6 +5,7 @@ own config models and with transformers' defaults."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 # TrainingArguments defaults of the flags the translator reads; a test checks them against transformers. Arguments
@@ -102,7 +103,80 @@ BF16_KEYS = frozenset({
     "enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
     "bf16_optimizer_states",
 })
+OFFLOAD_PARAM_KEYS = frozenset({"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"})
+OFFLOAD_OPTIMIZER_KEYS = frozenset({"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read",
+                                    "pipeline_write", "fast_init", "ratio", "super_offload", "cpuadam_cores_perc"})
 SECTION_KEYS = {"zero_optimization": ZERO_KEYS, "fp16": FP16_KEYS, "bf16": BF16_KEYS}
+# The blocks inside a section whose keys DeepSpeed checks too (it refuses any other key there).
+NESTED_SECTION_KEYS = {"zero_optimization.offload_optimizer": OFFLOAD_OPTIMIZER_KEYS,
+                       "zero_optimization.offload_param": OFFLOAD_PARAM_KEYS}
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class FieldType:
+    """What DeepSpeed's config model (pydantic, lax) accepts for one field."""
+
+    kind: str  # "bool", "int", "float", "stage" (0-3), "device" (OFFLOAD_DEVICES), "path" (text), "object"
+    low: float | None = None  # lower bound, inclusive unless low_open
+    low_open: bool = False
+    high: float | None = None  # upper bound, inclusive
+    nullable: bool = False  # null accepted (DeepSpeed then picks its default)
+    bools: bool = True  # true/false read as 1/0 (pydantic's way); DeepSpeed's fp16 scale validators refuse them
+
+
+BOOL, NULLABLE_BOOL, COUNT = FieldType("bool"), FieldType("bool", nullable=True), FieldType("int", low=0)
+_ZERO_BOOLS = ("contiguous_gradients", "reduce_scatter", "use_multi_rank_bucket_allreduce", "allgather_partitions",
+               "compute_grad_norm", "load_from_fp32_weights", "elastic_checkpoint",
+               "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+               "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
+               "stage3_allgather_sequential", "allgather_sequential", "stage3_gather_fp16_weights_on_model_save",
+               "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients", "parameter_alignment",
+               "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+               "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
+               "log_trace_cache_warnings", "enable_sanity_checks", "save_muon_momentum_buffer_in_memory")
+_ZERO_COUNTS = ("allgather_bucket_size", "sub_group_size", "zero_hpz_partition_size",
+                *(name for old in ("prefetch_bucket_size", "param_persistence_threshold",
+                                   "model_persistence_threshold", "max_live_parameters", "max_reuse_distance")
+                  for name in (old, f"stage3_{old}")))
+# Every scalar field of the sections DeepSpeed 0.19 reads with its pydantic models (deepspeed/runtime/zero/config.py,
+# zero/offload_config.py, precision_config.py): checked before training, as DeepSpeed would check them once the model is
+# loaded. tests/integration/test_key_tables.py compares this with the models' fields, and
+# tests/unit/test_deepspeed_accepts.py checks bad values per field are refused exactly when DeepSpeed's models refuse.
+FIELD_TYPES: dict[str, dict[str, FieldType]] = {
+    "zero_optimization": {
+        "stage": FieldType("stage"),
+        **dict.fromkeys(_ZERO_BOOLS, BOOL),
+        **dict.fromkeys(("overlap_comm", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"),
+                        NULLABLE_BOOL),
+        "reduce_bucket_size": FieldType("int", low=0, low_open=True),
+        **dict.fromkeys(_ZERO_COUNTS, COUNT),
+        **dict.fromkeys(("stage3_module_granularity_threshold", "module_granularity_threshold"), FieldType("int")),
+        **dict.fromkeys(("offload_optimizer", "offload_param", "zenflow", "leaf_module"),
+                        FieldType("object", nullable=True)),
+    },
+    "zero_optimization.offload_optimizer": {
+        "device": FieldType("device"),
+        "nvme_path": FieldType("path", nullable=True),
+        "buffer_count": COUNT,
+        **dict.fromkeys(("pin_memory", "pipeline_read", "pipeline_write", "fast_init", "super_offload"), BOOL),
+        **dict.fromkeys(("ratio", "cpuadam_cores_perc"), FieldType("float", low=0, high=1)),
+    },
+    "zero_optimization.offload_param": {
+        "device": FieldType("device"),
+        "nvme_path": FieldType("path", nullable=True),
+        **dict.fromkeys(("buffer_count", "buffer_size", "max_in_cpu"), COUNT),
+        "pin_memory": BOOL,
+    },
+    "fp16": {
+        **dict.fromkeys(("enabled", "auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"), BOOL),
+        "loss_scale": FieldType("float", low=0, bools=False),
+        **dict.fromkeys(("initial_scale_power", "hysteresis"), FieldType("int")),
+        # > 0 as well while the loss scale is dynamic (loss_scale 0): the precision pass checks that
+        **dict.fromkeys(("loss_scale_window", "min_loss_scale"), FieldType("int", bools=False)),
+    },
+    "bf16": dict.fromkeys(BF16_KEYS, BOOL),
+}
 
 # Where a key belongs when it is found at the top level (DeepSpeed would silently ignore it there).
 _OPTIMIZER_PARAM_KEYS = ("lr", "betas", "eps", "weight_decay")

@@ -26,7 +26,7 @@ class DeepSpeedConfigError(UserError):
     """Every problem found in a DeepSpeed config and the flags beside it, reported together."""
 
     def __init__(self, problems: list[str], origin: str | None = None):
-        self.problems = list(problems)
+        self.problems, self.origin = list(problems), origin
         head = f"DeepSpeed config {origin}" if origin else "DeepSpeed config"
         noun = "problem" if len(self.problems) == 1 else "problems"
         super().__init__(f"{head}: {len(self.problems)} {noun}:\n" + "\n".join(f"  - {p}" for p in self.problems))

@@ -12,13 +12,13 @@ from typing import Any
 from ..config.optimizer import warmup_steps
 from ..config.ranges import out_of_range
 from ..errors import closest
-from .fields import (Origin, Source, copy_tree, flag_source, get_field, iter_fields, positive_int, same, set_field,
-                     show)
+from .fields import (Origin, Source, copy_tree, flag_source, get_field, iter_fields, positive_int, read_field,
+                     requirement, same, set_field, show)
 from .keys import (AUTO, DEEPSPEED_OPTIMIZER_NAMES, DEEPSPEED_OPTIMIZERS, DEEPSPEED_SCHEDULERS, FIELD_FLAGS,
-                   FLAG_DEFAULTS, FP16_BLOCK_DEFAULTS, H100_RUN, HIDDEN_SIZE_AUTO, KNOWN_TOP_LEVEL_KEYS, NESTED_HOME,
-                   REMOVED_TOP_LEVEL_KEYS, SCHEDULER_FOR_TYPE, SECTION_KEYS, STAGE3_ALIASES, STAGE3_ONLY_KEYS,
-                   TORCH_OPTIMIZERS, TUNED_ZERO, ZERO2_DEFAULTS, ZERO3_COST, ZERO3_DEFAULTS, ZERO3_GRANULARITY,
-                   ZERO_AUTO_FALLBACK, ZERO_TESTED_OPTIMIZERS)
+                   FIELD_TYPES, FLAG_DEFAULTS, FP16_BLOCK_DEFAULTS, H100_RUN, HIDDEN_SIZE_AUTO, KNOWN_TOP_LEVEL_KEYS,
+                   NESTED_HOME, NESTED_SECTION_KEYS, OFFLOAD_DEVICES, REMOVED_TOP_LEVEL_KEYS, SCHEDULER_FOR_TYPE,
+                   SECTION_KEYS, STAGE3_ALIASES, STAGE3_ONLY_KEYS, TORCH_OPTIMIZERS, TUNED_ZERO, ZERO2_DEFAULTS,
+                   ZERO3_COST, ZERO3_DEFAULTS, ZERO3_GRANULARITY, ZERO_AUTO_FALLBACK, ZERO_TESTED_OPTIMIZERS)
 
 FLAG, DEFAULT, FILE, DERIVED = Origin.FLAG, Origin.DEFAULT, Origin.FILE, Origin.DERIVED
 PRECISIONS = ("fp16", "bf16")
@@ -162,6 +162,36 @@ def check_keys(config: dict, sources: dict[str, Source]) -> Draft:
                 hint = closest(key, known)
                 draft.problems.append(f"unknown key {section}.{key}" +
                                       (f": did you mean {section}.{hint}?" if hint else ""))
+    for path, known in NESTED_SECTION_KEYS.items():
+        block = get_field(draft.config, path)
+        for key in block if isinstance(block, dict) else ():
+            if key not in known:
+                hint = closest(key, known)
+                draft.problems.append(f"unknown key {path}.{key} (DeepSpeed refuses it)" +
+                                      (f": did you mean {path}.{hint}?" if hint else
+                                       f"; the keys there: {', '.join(sorted(known))}"))
+    return draft
+
+
+def field_types(config: dict, sources: dict[str, Source]) -> Draft:
+    """Every scalar of the zero_optimization (and its offload blocks), fp16 and bf16 sections read as DeepSpeed's own
+    models read it (FIELD_TYPES): a value they refuse is a problem, and removed so no later pass reports it again; one
+    they accept in another spelling ("true", 1) is written as DeepSpeed reads it."""
+    draft = Draft.of(config, sources)
+    for section, types in FIELD_TYPES.items():
+        block = get_field(draft.config, section)
+        for key, value in list(block.items()) if isinstance(block, dict) else ():
+            if key not in types or value == AUTO:
+                continue
+            accepted, read = read_field(types[key], value)
+            if accepted:
+                block[key] = read
+                continue
+            del block[key]
+            hint = closest(value, OFFLOAD_DEVICES) if types[key].kind == "device" and isinstance(value, str) else None
+            draft.problems.append(f"{section}.{key}={json.dumps(value)}: must be {requirement(types[key])}, as "
+                                  "DeepSpeed requires" + (f" (did you mean {json.dumps(hint)}?)" if hint else "")
+                                  + ": fix the value, or remove the key for DeepSpeed's default")
     return draft
 
 
@@ -241,6 +271,11 @@ def precision(config: dict, sources: dict[str, Source], run: Run) -> Draft:
             if block.get(key) in (None, AUTO):
                 block[key] = default
                 draft.sources[f"fp16.{key}"] = Source(DEFAULT)
+        for key in ("loss_scale_window", "min_loss_scale") if block["loss_scale"] == 0 else ():
+            if block[key] <= 0:  # DeepSpeed's own rule: the dynamic loss scale divides by one, floors at the other
+                draft.problems.append(f"fp16.{key}={json.dumps(block[key])}: must be > 0 while the loss scale is "
+                                      "dynamic (fp16.loss_scale 0), as DeepSpeed requires: fix the value, or remove "
+                                      f"the key for the default {FP16_BLOCK_DEFAULTS[key]}")
     else:
         draft.config.setdefault("fp16", {}).setdefault("enabled", False)
     draft.config.setdefault("bf16", {}).setdefault("enabled", False)
@@ -290,18 +325,41 @@ def batch(config: dict, sources: dict[str, Source], run: Run) -> Draft:
         draft.fill("gradient_accumulation_steps", total // (micro * world), split)
         draft.flags["gradient_accumulation_steps"] = total // (micro * world)
         return draft
-    fixes = []
-    if total % (accumulation * world) == 0:
-        fixes.append(f"--per_device_train_batch_size {total // (accumulation * world)}")
-    if total % (micro * world) == 0:
-        fixes.append(f"--gradient_accumulation_steps {total // (micro * world)}")
-    fix = " or ".join(fixes) if fixes else "batch flags whose product with the world size equals it"
-    draft.problems.append(
-        f"train_batch_size={total} cannot hold at world size {world}: train_micro_batch_size_per_gpu="
-        f"{micro} ({draft.sources['train_micro_batch_size_per_gpu']}) × gradient_accumulation_steps="
-        f"{accumulation} ({draft.sources['gradient_accumulation_steps']}) × world size {world} = "
-        f"{micro * accumulation * world}. Set {fix}, or set train_batch_size to \"auto\" in the file")
+    draft.problems.append(_batch_problem(draft, total, micro, accumulation, world))
     return draft
+
+
+def _batch_problem(draft: Draft, total: int, micro: int, accumulation: int, world: int) -> str:
+    """train_batch_size against the two other batch fields: which values would agree, changed where they came from (a
+    field the file writes is fixed in the file: a flag would then disagree with it)."""
+    values = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation}
+    in_file = [path for path in values if draft.sources[path].origin is FILE]
+    product = micro * accumulation * world
+    named = [f"train_batch_size={total}", *(f"{path}={values[path]}" for path in in_file)]
+    factors = [str(value) if path in in_file else f"{path}={value} ({draft.sources[path]})"
+               for path, value in values.items()]
+    head = (f"{', '.join(named[:-1])} and {named[-1]}" if len(named) > 1 else named[0]) + (
+        f" in the file cannot hold at world size {world}: {' × '.join(factors)} × {world} rank"
+        f"{'s' if world != 1 else ''} = {product}, not {total}")
+    if total % (micro * accumulation) == 0 and total // (micro * accumulation) != world:
+        ranks = total // (micro * accumulation)
+        head += f" (they hold on {ranks} rank{'s' if ranks != 1 else ''})"
+    # Each field that would make the product equal train_batch_size, and the product itself for train_batch_size.
+    other = {"train_micro_batch_size_per_gpu": accumulation, "gradient_accumulation_steps": micro}
+    flag_fixes, file_fixes = [], [f"train_batch_size to {product}"]
+    for path in values:
+        if total % (other[path] * world):
+            continue
+        agreeing = total // (other[path] * world)
+        if path in in_file:
+            file_fixes.append(f"{path} to {agreeing}")
+        else:
+            flag_fixes.append(f"--{FIELD_FLAGS[path]} {agreeing}")
+    if "train_micro_batch_size_per_gpu" in in_file and total % (micro * world):
+        head += (f"; {total} is not a multiple of train_micro_batch_size_per_gpu × world size = {micro} × {world}, "
+                 "so no gradient_accumulation_steps can fix it")
+    fixes = (f"set {' or '.join(flag_fixes)}, or " if flag_fixes else "") + "in the file set " + " or ".join(file_fixes)
+    return f"{head}. To make them agree, {fixes} (or set train_batch_size to \"auto\")"
 
 
 def _batch_field(draft: Draft, run: Run, path: str) -> int:
@@ -523,7 +581,37 @@ def zero(config: dict, sources: dict[str, Source], run: Run) -> Draft:
     elif isinstance(stage, int) and (ignored := sorted(STAGE3_ONLY_KEYS & set(section))):
         draft.notes.append(f"zero_optimization.{', zero_optimization.'.join(ignored)}: read only at stage 3; "
                            f"DeepSpeed ignores {'it' if len(ignored) == 1 else 'them'} at stage {stage}")
+    _nvme(draft, section, stage)
     return draft
+
+
+def nvme_offloads(config: dict) -> list[tuple[str, Any]]:
+    """(dotted nvme_path field, its value) of each offload block that swaps to NVMe: ZeRO-3's only (ZeRO-1/2 keep the
+    optimizer state in CPU memory whatever the device says)."""
+    section = config.get("zero_optimization")
+    if not isinstance(section, dict) or section.get("stage") != 3:
+        return []
+    return [(f"zero_optimization.{name}.nvme_path", section[name].get("nvme_path"))
+            for name in ("offload_optimizer", "offload_param")
+            if isinstance(section.get(name), dict) and section[name].get("device") == "nvme"]
+
+
+def _nvme(draft: Draft, section: dict, stage: Any) -> None:
+    """NVMe offload: a folder is needed at stage 3 (checked on the training machine itself, never here); below it the
+    device trains as "cpu"."""
+    block = section.get("offload_optimizer")
+    if stage in (1, 2) and isinstance(block, dict) and block.get("device") == "nvme":
+        draft.notes.append(f"zero_optimization.offload_optimizer.device \"nvme\" at stage {stage}: DeepSpeed's "
+                           "ZeRO-1/2 keep the optimizer state in CPU memory (only ZeRO-3 swaps to NVMe): it trains as "
+                           "\"cpu\", and nvme_path is not used")
+    for field, path in nvme_offloads(draft.config):
+        if not path:
+            draft.problems.append(f"{field.rpartition('.')[0]}.device is \"nvme\" but nvme_path is not set: give the "
+                                  "folder on the NVMe drive (\"nvme_path\": \"/local_nvme\"), or offload to \"cpu\"")
+        else:
+            draft.notes.append(f"{field} {path}: ZeRO-3 swaps to this folder; training checks on each machine that "
+                               "it exists and is writable before any work (trainer-ext ds-config cannot: it may run "
+                               "elsewhere)")
 
 
 def _zero3_defaults(draft: Draft, section: dict, run: Run) -> None:

@@ -15,9 +15,9 @@ from typing import Any
 from ..runtime import world_size_from_environment
 from .fields import Origin, Source, iter_fields, numbers_from_strings, set_field, show, source_of
 from .load import DeepSpeedConfigError, load_deepspeed_config
-from .passes import (Draft, Run, batch, check_keys, clipping, file_scheduler, flag_scheduler, flag_value, leftover_auto,
-                     migrate_legacy, optimizer, precision, precision_safety, untested_optimizer, warmup_steps_for, zero,
-                     zero_auto_sizes, zero_auto_value)
+from .passes import (Draft, Run, batch, check_keys, clipping, field_types, file_scheduler, flag_scheduler, flag_value,
+                     leftover_auto, migrate_legacy, optimizer, precision, precision_safety, untested_optimizer,
+                     warmup_steps_for, zero, zero_auto_sizes, zero_auto_value)
 
 
 @dataclass
@@ -71,6 +71,7 @@ def _phase_one(config: dict, run: Run, origin: str) -> Resolution:
         return {flag: value for draft in drafts for flag, value in draft.flags.items()}
 
     config, sources = then(check_keys(numbers_from_strings(config), {}))
+    config, sources = then(field_types(config, sources))
     config, sources = then(migrate_legacy(config, sources))
     config, sources = then(precision(config, sources, run))
     config, sources = then(batch(config, sources, run))

@@ -1,0 +1,192 @@
+"""DeepSpeed's JIT-built ops: which ones a run's config makes DeepSpeed load, whether this environment has them built, a
+notice before a run builds one (minutes of silence otherwise), and `trainer-ext build-ops`, which builds them ahead."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# Seconds each op took to build once in a fresh-clone CI run on 2 busy CPU cores (DeepSpeed 0.19.8, torch 2.13): what
+# the notice before a build quotes. On a GPU machine the CUDA builds were not measured.
+BUILD_SECONDS = {"deepspeed_shm_comm": 131, "fused_adam": 257, "cpu_adam": 140}
+# What `trainer-ext build-ops` builds: the ops a ZeRO run loads on this accelerator, its shared-memory all-reduce (CPU
+# ranks), FusedAdam (the default optimizer) and CPU Adam (offload_optimizer). Builders this accelerator lacks are skipped.
+DEFAULT_BUILDERS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder")
+_ANNOUNCED: set[str] = set()  # ops this process has said it builds
+
+
+def build_folder(name: str) -> Path:
+    """Where torch's cpp_extension builds (and later finds) the JIT op `name`: torch's own rule
+    (torch.utils.cpp_extension._get_build_directory, which also creates the folder; a test holds this to it)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root) / name
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    accelerator = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None
+                   else f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu")
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}" / name
+
+
+def needed_builders(config: dict, cpu_accelerator: bool) -> list[str]:
+    """DeepSpeed's op builders a run of this resolved config loads (deepspeed/comm/torch.py and the engine's
+    _configure_basic_optimizer): the shared-memory all-reduce on CPU ranks, the optimizer's fused or CPU kernel, and
+    async_io for ZeRO-3's NVMe offload."""
+    from .deepspeed_config.passes import nvme_offloads
+
+    builders = ["ShareMemCommBuilder"] if cpu_accelerator else []
+    optimizer = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
+    name = str(optimizer.get("type", "")).lower()
+    params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
+    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+    offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
+    on_cpu = offload.get("device") in ("cpu", "nvme") and zero.get("stage", 0) in (1, 2, 3)
+    if name in ("adam", "adamw") and params.get("torch_adam") is not True:
+        builders.append("CPUAdamBuilder" if on_cpu else "FusedAdamBuilder")
+    elif name == "lion":
+        builders.append("CPULionBuilder" if on_cpu else "FusedLionBuilder")
+    elif name == "adagrad" and on_cpu:
+        builders.append("CPUAdagradBuilder")
+    elif name == "lamb":
+        builders.append("FusedLambBuilder")
+    if nvme_offloads(config):
+        builders.append("AsyncIOBuilder")
+    return builders
+
+
+def op_builders(names) -> list:
+    """DeepSpeed's builders of these names for this machine's accelerator, less those it has none of or that DeepSpeed
+    installed prebuilt (it then loads them without building)."""
+    from .backends.deepspeed import deepspeed_imported
+
+    with deepspeed_imported():
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+
+    found = []
+    for name in names:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None or builder.NAME == "deepspeed_not_implemented" or installed_ops.get(builder.NAME, False):
+            continue
+        found.append(builder)
+    return found
+
+
+def is_built(builder) -> bool:
+    """Whether torch finds this op built in this environment: its library in the op's build folder, newer than the
+    sources and headers DeepSpeed builds it from (ninja's test: a DeepSpeed installed since rebuilds it)."""
+    library = build_folder(builder.NAME) / f"{builder.NAME}.so"
+    if not library.is_file():
+        return False
+    sources = [Path(builder.deepspeed_src_path(path)) for path in builder.sources()]
+    headers = [header for include in builder.include_paths()
+               for header in Path(builder.deepspeed_src_path(include)).glob("*.h")]
+    newest = max((path.stat().st_mtime for path in sources + headers if path.is_file()), default=0.0)
+    return library.stat().st_mtime >= newest
+
+
+def cpu_accelerator() -> bool:
+    from .backends.deepspeed import deepspeed_imported
+
+    with deepspeed_imported():
+        from deepspeed.accelerator import get_accelerator
+    return get_accelerator().device_name() == "cpu"
+
+
+def build_time(name: str, cpu: bool) -> str:
+    """How long building `name` takes, as measured (CPU builds only)."""
+    seconds = BUILD_SECONDS.get(name)
+    if not cpu or seconds is None:
+        return "several minutes"
+    return f"about {max(1, round(seconds / 60))} min on 2 busy CPU cores"
+
+
+def announce_builds(config: dict) -> list[str]:
+    """Before DeepSpeed loads an op this run needs and this environment has not built: say which, that it is built once
+    per environment, roughly how long it takes and how to build it ahead (main process, once per op); DeepSpeed itself
+    prints nothing while it compiles. Returns what was said."""
+    from .errors import main_process
+
+    cpu = cpu_accelerator()
+    said = []
+    for builder in op_builders(needed_builders(config, cpu)):
+        if builder.NAME in _ANNOUNCED or is_built(builder) or not builder.is_compatible(verbose=False):
+            continue
+        _ANNOUNCED.add(builder.NAME)
+        said.append(f"DeepSpeed builds its {builder.NAME} op before this run trains: once per environment (into "
+                    f"{build_folder(builder.NAME)}), {build_time(builder.NAME, cpu)}, with nothing printed "
+                    "meanwhile; `trainer-ext build-ops` builds DeepSpeed's ops ahead of a run")
+    if main_process():
+        for line in said:
+            logger.warning(line)
+    return said
+
+
+def build_ops(out=None) -> int:
+    """`trainer-ext build-ops`: build (or load, when built already) every op of DEFAULT_BUILDERS this machine's DeepSpeed
+    can build, with what each took; 0 when all are ready, 1 when a build failed."""
+    from .cuda_arch import prepare_for_deepspeed
+    from .leftovers import clear_stale_build_locks
+
+    out = out or sys.stdout
+    clear_stale_build_locks()  # a killed build's lock would make this wait forever
+    cpu = cpu_accelerator()
+    if not cpu:
+        prepare_for_deepspeed()  # a TORCH_CUDA_ARCH_LIST DeepSpeed's builder can read
+    builders = op_builders(DEFAULT_BUILDERS)
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or f"{build_folder('x').parent} (set TORCH_EXTENSIONS_DIR to move it)"
+    print(f"DeepSpeed's ops for this machine ({'CPU' if cpu else 'GPU'} ranks), built in {root}:", file=out, flush=True)
+    failed = 0
+    for builder in builders:
+        if not builder.is_compatible(verbose=False):
+            print(f"  {builder.NAME}: cannot be built here, skipped (DeepSpeed will not load it on this machine)",
+                  file=out, flush=True)
+            continue
+        built = is_built(builder)
+        print(f"  {builder.NAME}: " + ("built already, loading" if built else
+                                       f"building ({build_time(builder.NAME, cpu)})"), file=out, flush=True)
+        start = time.monotonic()
+        with _ticking(out, start, every_s=None if built else 30.0):
+            try:
+                builder.load(verbose=False)
+            except Exception as err:  # noqa: BLE001 (torch and DeepSpeed raise RuntimeError, OSError, ImportError)
+                failed += 1
+                print(f"  {builder.NAME}: failed after {time.monotonic() - start:.0f} s: "
+                      f"{str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}", file=out,
+                      flush=True)
+                continue
+        print(f"  {builder.NAME}: ready ({'loaded' if built else 'built'} in {time.monotonic() - start:.1f} s)",
+              file=out, flush=True)
+    if failed:
+        print(f"{failed} op(s) failed to build: a DeepSpeed run that needs them would fail the same way", file=out)
+        return 1
+    print("every op is built: DeepSpeed runs in this environment start without building", file=out)
+    return 0
+
+
+class _ticking:
+    """Prints the time elapsed every `every_s` seconds while a build runs (None: silent)."""
+
+    def __init__(self, out, start: float, every_s: float | None):
+        self.out, self.start, self.every_s = out, start, every_s
+        self.done = threading.Event()
+
+    def __enter__(self):
+        if self.every_s:
+            threading.Thread(target=self._tick, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+
+    def _tick(self):
+        while not self.done.wait(self.every_s):
+            print(f"    ... {time.monotonic() - self.start:.0f} s", file=self.out, flush=True)
