@@ -1,12 +1,15 @@
-"""What a training run may do to --output_dir: hold it alone (a lock file naming its owner, stale locks recognised) and
-never write over the model it was started from."""
+"""What a training run may do to --output_dir: hold it alone (a lock file naming its owner, stale locks recognised),
+never write over the model it was started from, and have room for a checkpoint (a full disk named before training,
+and in one line when a save finds it full)."""
 
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -153,8 +156,16 @@ class OutputDirLock:
                     logger.warning("--output_dir %s: taking over the lock of a run that is gone (%s)", self.output_dir,
                                    _owner_text(previous))
                 continue
-            with os.fdopen(descriptor, "w") as stream:
-                json.dump(record, stream)
+            try:
+                with os.fdopen(descriptor, "w") as stream:
+                    json.dump(record, stream)
+            except OSError as err:
+                self.path.unlink(missing_ok=True)
+                if err.errno in FULL:  # a full disk met at its first byte: said before the model is trained
+                    raise OutputDirError(f"--output_dir {self.output_dir}: no space left on its disk (writing its "
+                                         f"lock {LOCK} failed: {err.strerror}){room_text(self.output_dir)}; free "
+                                         "space there, or give an --output_dir on a disk with room") from None
+                raise
             break
         else:
             raise OutputDirError(f"--output_dir {self.output_dir}: cannot take its lock {self.path} (another run "
@@ -192,14 +203,14 @@ class OutputDirLock:
 
 
 def hold_output_dir(trainer) -> None:
-    """Before training: refuse an output_dir that is (or holds) the model being trained, then take its lock on the
-    main process; every rank gets the same answer."""
+    """Before training: refuse an output_dir that is (or holds) the model being trained, or whose disk has no room
+    for a checkpoint, then take its lock on the main process; every rank gets the same answer."""
     args = trainer.args
     model = trainer.backend.unwrap(trainer.accelerator.unwrap_model(trainer.model)) if trainer.model is not None else None
     source = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
 
     def decide():
-        problem = model_in_output_dir(args.output_dir, source)
+        problem = model_in_output_dir(args.output_dir, source) or room_problem(args, model)
         if problem:
             return problem
         try:
@@ -218,3 +229,170 @@ def release_output_dir(trainer) -> None:
     lock = OutputDirLock._held.get(Path(trainer.args.output_dir).resolve())
     if lock is not None:
         lock.release()
+
+
+# -- room on the disk --------------------------------------------------------------------------------------------------
+FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left; a user's quota used up
+FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "StorageFull")  # safetensors' Rust error has no errno
+MIB = 2 ** 20
+
+
+def _mib(size: float) -> str:
+    return f"{size / MIB:.1f} MiB" if size < 2 ** 30 else f"{size / 2 ** 30:.2f} GiB"
+
+
+def checkpoint_bytes(model, args) -> tuple[int, int]:
+    """(weights, optimizer state) bytes one checkpoint of `model` holds at least: the weights as saved (a peft model's
+    adapters only), and AdamW's two fp32 moments per trainable parameter (other optimizers: not counted). A lower bound:
+    DeepSpeed and FSDP also keep fp32 master weights, and the small files are not counted."""
+    if model is None:
+        return 0, 0
+    parameters = list(model.parameters())
+    trainable = [p for p in parameters if p.requires_grad]
+
+    def size(p) -> int:
+        return int(getattr(p, "ds_numel", p.numel())) * p.element_size()  # ZeRO-3 keeps the full count in ds_numel
+
+    weights = sum(size(p) for p in (trainable if hasattr(model, "peft_config") else parameters))
+    optim = str(getattr(args.optim, "value", args.optim))
+    moments = "adam" in optim and not any(bits in optim for bits in ("8bit", "4bit"))
+    optimizer = 0 if getattr(args, "save_only_model", False) or not moments else 8 * sum(
+        int(getattr(p, "ds_numel", p.numel())) for p in trainable)
+    return weights, optimizer
+
+
+def _disk(folder) -> tuple[Path, tuple] | None:
+    """The mount point of the disk `folder` is (or will be) on, and that disk's usage; None if unknown."""
+    path = Path(os.path.expanduser(str(folder))).absolute()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    try:
+        usage, device = shutil.disk_usage(existing), existing.stat().st_dev
+        while existing.parent != existing and existing.parent.stat().st_dev == device:
+            existing = existing.parent
+        return existing, usage
+    except (OSError, TypeError, AttributeError):
+        return None
+
+
+def _folder_bytes(folder: Path) -> int:
+    total = 0
+    for entry in folder.rglob("*") if folder.is_dir() else ():
+        try:
+            total += entry.stat().st_size if entry.is_file() else 0
+        except OSError:
+            pass
+    return total
+
+
+def room_text(folder) -> str:
+    """" (N MiB free of M MiB on it)" for the disk of `folder`, or nothing when unknown."""
+    disk = _disk(folder)
+    return f" ({_mib(disk[1].free)} free of {_mib(disk[1].total)} on it)" if disk and disk[1].total else ""
+
+
+def room_problem(args, model) -> str | None:
+    """Before training: why the checkpoint folder's disk cannot hold one checkpoint of `model` (weights and optimizer
+    state), or --output_dir's disk the final model, or None. The unfinished checkpoint of an earlier run (.staging) is
+    named: it is removed only once the lock is written, which needs room too. A disk whose size is unknown (total 0:
+    some network mounts) passes."""
+    from .checkpoint import staging_dir
+    from .run_checkpoints import checkpoint_folder
+
+    if model is None:  # model_init builds it inside train()
+        return None
+    weights, optimizer = checkpoint_bytes(model, args)
+    saving = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
+    folder = checkpoint_folder(args)
+    flag = "--checkpoint_dir" if getattr(args, "checkpoint_dir", None) else "--output_dir"
+    needs = [(folder, flag, weights + optimizer if saving else 0, "one checkpoint of this model needs at least "
+              f"{_mib(weights + optimizer)} (weights {_mib(weights)} + optimizer state {_mib(optimizer)})")]
+    if flag == "--checkpoint_dir" or not saving:
+        needs.append((args.output_dir, "--output_dir", weights, f"the trained model needs at least {_mib(weights)}"))
+    for where, name, needed, why in needs:
+        disk = _disk(where)
+        if not needed or disk is None or not disk[1].total:
+            continue
+        if disk[1].free < needed:
+            unfinished = _folder_bytes(staging_dir(where))
+            left = (f" ({staging_dir(where)} holds {_mib(unfinished)} of an unfinished checkpoint: delete it)"
+                    if unfinished else "")
+            return (f"{name} {where}: {_mib(disk[1].free)} free on its disk ({disk[0]}) and {why}: free space "
+                    f"there{left}, or give {name} on a disk with room"
+                    + (", or --save_strategy no" if saving and name == flag else ""))
+    return None
+
+
+def _chain(err: BaseException):
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def _frames(err: BaseException):
+    """Every traceback frame of `err` and the exceptions it came from, innermost last."""
+    for link in reversed(list(_chain(err))):
+        tb = link.__traceback__
+        while tb is not None:
+            yield tb.tb_frame
+            tb = tb.tb_next
+
+
+def _written(err: BaseException) -> str | None:
+    """The file (or folder) a failed save was writing: torch.save's `f`, safetensors' `filename`, open()'s OSError
+    filename, else the innermost `output_dir` of transformers' save methods."""
+    for link in _chain(err):
+        if isinstance(getattr(link, "filename", None), str):
+            return link.filename
+    found = None
+    for frame in _frames(err):
+        names, function = frame.f_locals, frame.f_code.co_name
+        if function in ("write_bytes", "write_text") and isinstance(names.get("self"), Path):
+            found = str(names["self"])
+            continue
+        for key in ("filename", "f", "json_file_path", "output_dir", "save_directory"):
+            if isinstance(names.get(key), (str, os.PathLike)) and (key in ("output_dir", "save_directory")
+                                                                   or "save" in function or "write" in function
+                                                                   or "json" in function):
+                found = str(names[key])
+                break
+    return found
+
+
+def out_of_space(err: BaseException, args, model) -> OutputDirError | None:
+    """The one line for a save that failed on a full disk (or a used-up quota): the folder, what was being written,
+    the space one checkpoint needs; None for any other error. torch.save's error names no errno ("unexpected pos
+    ..."), so a failed serialization on a disk with less room than a checkpoint counts too."""
+    from .checkpoint import STAGING
+    from .run_checkpoints import checkpoint_folder
+
+    if isinstance(err, UserError):
+        return None
+    said = any(getattr(link, "errno", None) in FULL or any(text in str(link) for text in FULL_TEXTS)
+               for link in _chain(err))
+    written = _written(err)
+    folder = checkpoint_folder(args)
+    weights, optimizer = checkpoint_bytes(model, args)
+    if not said:
+        serializing = any(part in frame.f_code.co_filename for frame in _frames(err)
+                          for part in ("torch/serialization.py", "safetensors"))
+        disk = _disk(written or folder)
+        if not (serializing and isinstance(err, (RuntimeError, OSError)) and disk and disk[1].total
+                and disk[1].free < weights + optimizer):
+            return None
+    where = Path(written) if written else Path(folder)
+    flag = "--checkpoint_dir" if getattr(args, "checkpoint_dir", None) and Path(folder) in (where, *where.parents) \
+        else "--output_dir"
+    root = Path(folder) if flag == "--checkpoint_dir" else Path(args.output_dir)
+    staged = next((part for part in where.parts if part.startswith("checkpoint-")), None) if STAGING in where.parts \
+        else None
+    what = f"{staged} ({where})" if staged else str(where)
+    error = OutputDirError(f"{flag} {root}: no space left on its disk{room_text(root)} while writing {what}; one "
+                           f"checkpoint of this model needs at least {_mib(weights + optimizer)} (weights "
+                           f"{_mib(weights)} + optimizer state {_mib(optimizer)}): free space there, or give {flag} on "
+                           "a disk with room")
+    error.outcome = ("the steps since the last complete checkpoint (if any) are lost; once there is room, the same "
+                     "command continues from it and removes the unfinished one" if staged else
+                     "what this save was writing is incomplete")
+    return error

@@ -577,7 +577,14 @@ def parse_bytes(text: str) -> float:
     unit = match.group(2).upper() if match else None
     if not match or unit not in _UNITS:
         raise PlanError(f"--device_memory {text!r}: expected a size such as 16GB, 80GiB or 24e9")
-    return float(match.group(1)) * _UNITS[unit]
+    size = float(match.group(1)) * _UNITS[unit]
+    if size <= 0:
+        raise PlanError(f"--device_memory {text!r}: a device has more than 0 bytes; give its memory, e.g. 16GB or "
+                        "80GiB")
+    if not unit and size < 2 ** 20:  # '80' read as 80 bytes: nothing fits, and the plan said so as if it were true
+        raise PlanError(f"--device_memory {text!r} reads as {size:g} bytes: give the unit, e.g. {text}GB or "
+                        f"{text}GiB")
+    return size
 
 
 def parse_count(text: str) -> int:
@@ -586,7 +593,11 @@ def parse_count(text: str) -> int:
     if not match:
         raise PlanError(f"--num_parameters {text!r}: expected a count such as 22713216, 350M or 7e9")
     scale = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9}[match.group(2).upper()]
-    return int(float(match.group(1)) * scale)
+    count = int(float(match.group(1)) * scale)
+    if count < 1:  # 0 planned every backend at 0 bytes and named one as fitting
+        raise PlanError(f"--num_parameters {text!r}: a model has at least one parameter; give its count, e.g. "
+                        "22713216, 350M or 7e9")
+    return count
 
 
 def render(result: Plan) -> str:

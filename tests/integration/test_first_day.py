@@ -5,7 +5,6 @@ compute_metrics' answer. Most cases run the example scripts' main() in this proc
 cases start real processes."""
 
 import hashlib
-import importlib.util
 import json
 import os
 import signal
@@ -14,35 +13,10 @@ import time
 
 import pytest
 
-from conftest import PYTHON, REPO, TINY_TRAIN, clean_env, run
+from conftest import PYTHON, TINY_TRAIN, clean_env, example, run, user_error, write_lines
 
-EXAMPLES = REPO / "examples"
 FAST = ["--max_steps", "2", "--report_to", "none", "--disable_tqdm", "true"]
 SHORT = ["--max_seq_length", "32"]  # classification and QA
-
-
-def example(name):
-    """examples/<name>.py's main, imported from its file (its flags and its one-line exit, in this process)."""
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
-def user_error(capsys, name, *argv):
-    """Run an example that must stop on a user's mistake: returns its stderr, after checking exit status 2, one
-    error line and no traceback."""
-    with pytest.raises(SystemExit) as stopped:
-        example(name)([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert stopped.value.code == 2, err[-3000:]
-    assert "error:" in err and "Traceback" not in err
-    return err
-
-
-def write_lines(path, rows):
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 def sentences(n, labels=(0, 1), start=0):

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 
 from ..backends import selection_problems
-from ..errors import ArgumentsError
+from ..errors import ArgumentsError, closest
 from ..sagemaker import parse_list
 from .optimizer import merge_warmup_ratio
 from .ranges import FLAG_RANGES, TRAINING_RANGES, out_of_range
@@ -187,6 +187,42 @@ REPORT_TO_PACKAGES = {
     "wandb": (Package(("wandb",), "pip install wandb"),),
 }
 LIGER_KERNEL = Package(("liger_kernel",), "pip install liger-kernel")
+# Every --report_to integration transformers knows (a test holds it to transformers' INTEGRATION_TO_CALLBACK), and the
+# two words that stand alone.
+REPORT_TO_NAMES = (*sorted(REPORT_TO_PACKAGES), "kubeflow")
+REPORT_TO_ALONE = ("all", "none")
+
+
+def report_to_names(value) -> list[str]:
+    """--report_to as a list of names: one word, several separated by commas (the command line takes one word since
+    transformers 5), a list, or a list's text (a SageMaker job passes a list hyperparameter as str() of it)."""
+    if value is None:
+        return []
+    if isinstance(value, str) and value.strip().startswith("[") and value.strip().endswith("]"):
+        try:
+            value = parse_list(value.strip())
+        except ArgumentsError:
+            pass  # named as it is below
+    items = [value] if isinstance(value, str) else list(value)
+    return [name.strip() for item in items for name in str(item).split(",") if name.strip()]
+
+
+def report_to_problems(args) -> list[str]:
+    """Names transformers does not report to (it fails only when the trainer is built, after the data and model
+    loaded), and "all" or "none" beside other names (transformers reads them as integrations there)."""
+    value = getattr(args, "report_to", None)
+    names = report_to_names(value)
+    shown = ",".join(names)
+    problems = []
+    for name in names:
+        if name in REPORT_TO_ALONE and len(names) > 1:
+            problems.append(f"--report_to {shown}: {name!r} stands alone; give it alone or drop it")
+        elif name not in REPORT_TO_NAMES + REPORT_TO_ALONE:
+            hint = closest(name, REPORT_TO_NAMES + REPORT_TO_ALONE)
+            problems.append(f"--report_to {name}: not an integration transformers reports to"
+                            + (f", did you mean {hint!r}?" if hint else "")
+                            + f" (valid: {', '.join(REPORT_TO_ALONE + REPORT_TO_NAMES)})")
+    return problems
 
 
 def package_problems(args) -> list[str]:
@@ -199,8 +235,7 @@ def package_problems(args) -> list[str]:
     optim = getattr(args.optim, "value", args.optim)
     if optim in OPTIM_PACKAGES:
         needed.append(("--optim", optim, OPTIM_PACKAGES[optim]))
-    report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
-    for name in report_to:
+    for name in report_to_names(args.report_to):
         needed += [("--report_to", name, package) for package in REPORT_TO_PACKAGES.get(name, ())]
     return [f"{flag} {value}: needs {package.said()}, which is not installed: {package.install}"
             for flag, value, package in needed if package.missing()]
@@ -218,6 +253,9 @@ def flag_problems(args) -> list[str]:
             problems.append(str(err))
 
     checked(check_fp16_backend, args.fp16_backend, args.fp16_opt_level)
+    if args.fp16 and args.bf16:  # transformers refuses it too, but only after our checks, one problem per run
+        problems.append("--fp16 and --bf16 both set the precision: give only one (--bf16 on CPUs and on Ampere or "
+                        "newer GPUs, --fp16 on older GPUs)")
     if getattr(args, "use_cpu", False) and args.fp16:  # whatever this machine has: a preview says it too
         problems.append("--fp16 with --use_cpu: fp16 needs a CUDA device and --use_cpu trains on the CPU; use --bf16 "
                         "(or fp32) on CPU, or drop --use_cpu")
@@ -227,17 +265,25 @@ def flag_problems(args) -> list[str]:
         problems.append(f"--warmup_ratio {args.warmup_ratio} and --warmup_steps {args.warmup_steps:g} both set the "
                         "warmup: give only one")
     checked(merge_warmup_ratio, args.warmup_steps, args.warmup_ratio)
+    sampling = getattr(args, "train_sampling_strategy", "random")
+    if sampling != "random" and "train_sampling_strategy" in given:  # ExtTrainer's order asks for no sampler
+        problems.append(f"--train_sampling_strategy {sampling}: ExtTrainer trains in its own order (shuffled by "
+                        "--seed/--data_seed each epoch, resumed exactly), which this option would not change: drop it")
     checked(parse_class_weights, args.class_weights)
     checked(parse_storage_options, args.checkpoint_storage_options)
-    return problems + selection_problems(args) + value_problems(args)
+    return problems + report_to_problems(args) + selection_problems(args) + value_problems(args)
 
 
 def read_text_flags(args) -> dict:
     """What the flags given as text stand for, once flag_problems found none: --warmup_ratio as transformers 5's
-    --warmup_steps, --class_weights as numbers, --checkpoint_storage_options as a dict."""
+    --warmup_steps, --class_weights as numbers, --checkpoint_storage_options as a dict, --report_to a,b as a list."""
+    report_to = args.report_to
+    if report_to is not None and not (isinstance(report_to, str) and report_to == "".join(report_to_names(report_to))):
+        report_to = report_to_names(report_to)
     return {"warmup_steps": merge_warmup_ratio(args.warmup_steps, args.warmup_ratio),
             "class_weights": parse_class_weights(args.class_weights),
-            "checkpoint_storage_options": parse_storage_options(args.checkpoint_storage_options)}
+            "checkpoint_storage_options": parse_storage_options(args.checkpoint_storage_options),
+            "report_to": report_to}
 
 
 def value_problems(args) -> list[str]:

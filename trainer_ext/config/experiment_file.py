@@ -139,10 +139,15 @@ def _field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.init}
 
 
-def check_keys(values: dict, valid, where: str, problems: list[str]) -> None:
+def check_keys(values: dict, valid, where: str, problems: list[str], flags: bool = False) -> None:
+    """Unknown keys, each with the closest valid one; `flags`: the keys are flags' fields, so one transformers 5
+    removed (or another tool's spelling) gets what to write instead."""
+    from .removed import advice
+
     for key in values:
         if key not in valid:
-            problems.append(f"{where}: unknown key {key!r}" + did_you_mean(key, valid))
+            instead = advice(key) if flags else None
+            problems.append(f"{where}: unknown key {key!r}" + (f": {instead}" if instead else did_you_mean(key, valid)))
 
 
 def _file_values(values: dict, name: str, classes, types: dict, problems: list[str]) -> dict:
@@ -152,8 +157,8 @@ def _file_values(values: dict, name: str, classes, types: dict, problems: list[s
     hyper = dict(as_mapping(values.get("hyperparameters") or {}, where, problems))
     data = dict(as_mapping(values.get("data") or {}, f"{name}: data", problems))
     check_keys(hyper, sorted({*MODEL_KWARGS, "optimizer", "scheduler", *model_fields, *training_fields}), where,
-                problems)
-    check_keys(data, sorted(data_fields), f"{name}: data", problems)
+                problems, flags=True)
+    check_keys(data, sorted(data_fields), f"{name}: data", problems, flags=True)
     given: dict[str, Any] = {}
     for key, value in hyper.items():
         if key in model_fields | training_fields:

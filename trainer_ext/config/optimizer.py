@@ -30,7 +30,7 @@ def merge_warmup_ratio(steps: float, warmup_ratio: float) -> float:
     if not 0 <= warmup_ratio < 1:
         raise ArgumentsError(f"--warmup_ratio {warmup_ratio}: a ratio must be in [0, 1)")
     if steps:
-        raise ArgumentsError(f"--warmup_ratio {warmup_ratio} and --warmup_steps {steps} both set "
+        raise ArgumentsError(f"--warmup_ratio {warmup_ratio:g} and --warmup_steps {steps:g} both set "
                              "the warmup: give only one")
     return warmup_ratio
 

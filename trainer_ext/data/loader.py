@@ -4,6 +4,54 @@ and accelerate's, and the order is ours."""
 
 from __future__ import annotations
 
+from ..errors import UserError
+
+# transformers' collators that pad every feature into a tensor through the tokenizer: a column of strings fails there
+# with "Unable to create tensor ... (`sentence` in this case) have excessive nesting" (tests/unit/test_first_week.py
+# holds each to it); default_data_collator leaves strings out.
+PADDING_COLLATORS = ("DataCollatorWithPadding", "DataCollatorForSeq2Seq", "DataCollatorForTokenClassification",
+                     "DataCollatorForLanguageModeling", "DataCollatorForMultipleChoice")
+
+
+def check_training_data(train_dataset, args) -> None:
+    """What transformers' Trainer refuses when it is built, said first in one line: a stream (an IterableDataset, or a
+    dataset without a length) and no --max_steps (transformers: a ValueError traceback from Trainer.__init__)."""
+    from .stream import is_stream
+
+    if train_dataset is not None and args is not None and is_stream(train_dataset) and args.max_steps <= 0:
+        raise UserError(f"the training set ({type(train_dataset).__name__}) is a stream with no length, so an epoch "
+                        "has no end: give --max_steps (the optimizer steps to train; max_steps= in TrainingArguments)")
+
+
+def text_columns(dataset) -> list[str]:
+    """The columns of a datasets dataset that hold strings (or lists of them); [] when its features are unknown."""
+    import datasets
+
+    def text(feature) -> bool:
+        if isinstance(feature, datasets.Value):
+            return feature.dtype in ("string", "large_string")
+        inner = getattr(feature, "feature", None)
+        return inner is not None and text(inner)
+
+    features = getattr(dataset, "features", None) or {}
+    return [name for name, feature in features.items() if text(feature)]
+
+
+def check_collatable(dataset, collator, args, description: str) -> None:
+    """Columns of strings that reach one of transformers' padding collators (--remove_unused_columns false, or a model
+    whose forward takes them): one line naming them before the first batch, not the collator's traceback at it, which
+    suggests padding=True and truncation=True."""
+    columns = text_columns(dataset)
+    kind = type(getattr(collator, "func", collator)).__name__
+    if not columns or kind not in PADDING_COLLATORS:
+        return
+    listed = ", ".join(map(repr, columns))
+    keep = ("leave --remove_unused_columns on (it drops the columns the model's forward does not take)"
+            if not args.remove_unused_columns else "rename them if the model's forward takes such an argument")
+    raise UserError(f"the {description} data's column(s) {listed} hold text, which {kind} cannot batch (it pads token "
+                    f"ids into tensors): drop them (dataset.remove_columns([{listed}])), or {keep}")
+
+
 
 def dataloader_with_batch_sampler(trainer, dataset, description, batch_sampler):
     """A DataLoader over our batch sampler with the Trainer's collator, column removal, workers and seeding, prepared
@@ -18,6 +66,7 @@ def dataloader_with_batch_sampler(trainer, dataset, description, batch_sampler):
     collator = trainer.data_collator
     if isinstance(dataset, datasets.Dataset):
         dataset = trainer._remove_unused_columns(dataset, description=description)
+        check_collatable(dataset, collator, args, description)
     else:
         collator = trainer._get_collator_with_removed_columns(trainer.data_collator, description=description)
     params = {"batch_sampler": batch_sampler, "collate_fn": collator, "num_workers": args.dataloader_num_workers,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ArgumentsError
+from ..errors import ArgumentsError, closest
 from .common import (REPO, ModelArguments, check_sample_limits, first, load_config, load_tokenizer, nearby,
                      needed_splits, shipped_model, train_and_save, with_channels)
 
@@ -193,12 +193,14 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     from ..process_setup import prepare_process, sharded_loading
     from ..trainer import ExtTrainer
 
-    from .common import check_best_metric, check_output_dir, check_sequence_length, reading
+    from .common import check_best_metric, check_output_dir, check_something_to_do, check_sequence_length, reading
 
     model_path = model_args.model_name_or_path or shipped_model()
     check_output_dir(training_args, model_path)
+    check_something_to_do(training_args, data_args)
     check_best_metric(training_args, EVAL_METRICS)
     prepare_process(training_args)  # before the data and model load (--checkpoint_uri checked, threads per rank)
+    original = load_config(model_path, model_args)  # --config_overrides checked before the data and weights load
     raw = load_raw(data_args, training_args)
     for split in (split for split, flag in needed_splits(data_args, training_args).items() if flag):
         if split not in raw:
@@ -207,8 +209,9 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
         for column in (data_args.text_column, data_args.label_column):
             if column not in raw["train"].column_names:
                 flag = "--text_column" if column == data_args.text_column else "--label_column"
-                raise ArgumentsError(f"{flag} {column!r}: the training data has columns {raw['train'].column_names}")
-    original = load_config(model_path, model_args)
+                hint = closest(column, raw["train"].column_names)
+                raise ArgumentsError(f"{flag} {column!r}: the training data has columns {raw['train'].column_names}"
+                                     + (f" (did you mean {flag} {hint}?)" if hint else ""))
     labels, unlabelled = checked_labels(raw, data_args, original)
     raw = datasets.DatasetDict({split: dataset.remove_columns(data_args.label_column) if split in unlabelled
                                 else dataset for split, dataset in raw.items()})

@@ -30,6 +30,87 @@ class ModelArguments:
     def __post_init__(self):
         for name in ("config_kwargs", "tokenizer_kwargs", "model_kwargs"):
             setattr(self, name, _mapping(name, getattr(self, name)))
+        problems = override_format_problems(self.config_overrides)
+        if self.dropout is not None and not 0 <= self.dropout <= 1:
+            problems.append(f"--dropout {self.dropout}: a probability must be in [0, 1]")
+        if problems:
+            raise ArgumentsError("\n".join(problems))
+
+
+OVERRIDES_EXAMPLE = "e.g. hidden_dropout_prob=0.2,num_hidden_layers=4"
+
+
+def override_pairs(text: str | None) -> list[tuple[str, str]]:
+    """--config_overrides 'a=1,b=x' -> [('a', '1'), ('b', 'x')] (the format transformers' update_from_string reads)."""
+    return [(item.split("=", 1)[0].strip(), item.split("=", 1)[1].strip() if "=" in item else None)
+            for item in (text or "").split(",") if item.strip()]
+
+
+def override_format_problems(text: str | None) -> list[str]:
+    """--config_overrides items that are not key=value (known at parse time; the keys need the model's config)."""
+    if text is None:
+        return []
+    bad = [key for key, value in override_pairs(text) if value is None or not key]
+    if bad or not override_pairs(text):
+        return [f"--config_overrides {text!r}: give key=value pairs separated by commas, {OVERRIDES_EXAMPLE}"
+                + (f" ({', '.join(map(repr, bad))} has no '=')" if bad else "")]
+    return []
+
+
+def _override_value(key: str, old, text: str):
+    """`text` as the type of the config's current value (transformers' update_from_string rules; a field that is None
+    takes a number, true/false or a string as written). Raises ValueError naming what was expected."""
+    if isinstance(old, bool) or (old is None and text.lower() in ("true", "false")):
+        words = {"true": True, "1": True, "yes": True, "y": True, "false": False, "0": False, "no": False, "n": False}
+        if text.lower() not in words:
+            raise ValueError("true or false")
+        return words[text.lower()]
+    if isinstance(old, int) or old is None:
+        try:
+            return int(text)
+        except ValueError:
+            if isinstance(old, int):
+                raise ValueError("a whole number") from None
+    if isinstance(old, float) or old is None:
+        try:
+            return float(text)
+        except ValueError:
+            if isinstance(old, float):
+                raise ValueError("a number") from None
+    if isinstance(old, str) or old is None:
+        return text
+    raise ValueError(f"a {type(old).__name__}, which --config_overrides cannot write: give it in --config_kwargs "
+                     f"as JSON, e.g. '{{\"{key}\": {json.dumps(old)}}}'")
+
+
+def apply_config_overrides(config, text: str | None) -> None:
+    """--config_overrides on a loaded config (before the weights load): every key must be one of the config's fields
+    (a misspelled one gets the closest), every value of that field's type, every dropout a probability; all problems
+    in one error, and the config unchanged unless there are none."""
+    from ..errors import closest
+
+    problems, changes = override_format_problems(text), {}
+    kind = type(config).__name__
+    for key, value in override_pairs(text) if not problems else ():
+        if not hasattr(config, key):
+            hint = closest(key, list(config.to_dict()))
+            problems.append(f"--config_overrides {key}={value}: {kind} has no field {key!r}"
+                            + (f" (did you mean {hint}?)" if hint else "") + f"; {OVERRIDES_EXAMPLE}")
+            continue
+        old = getattr(config, key)
+        try:
+            changes[key] = _override_value(key, old, value)
+        except ValueError as expected:
+            now = repr(old) if len(repr(old)) <= 40 else f"a {type(old).__name__}"
+            problems.append(f"--config_overrides {key}={value}: {kind}'s {key} is {now}, so {value!r} must be "
+                            f"{expected}")
+            continue
+        if "dropout" in key and isinstance(changes[key], (int, float)) and not 0 <= changes[key] <= 1:
+            problems.append(f"--config_overrides {key}={value}: a dropout probability must be in [0, 1]")
+    if problems:
+        raise ArgumentsError("\n".join(problems))
+    for key, value in changes.items():
+        setattr(config, key, value)
 
 
 def _mapping(name: str, value) -> dict:
@@ -101,8 +182,7 @@ def load_config(model_path: str, model_args: ModelArguments, **kwargs):
 
     with reading("--model_name_or_path", model_path, "model"):
         config = AutoConfig.from_pretrained(model_path, **{**model_args.config_kwargs, **kwargs})
-    if model_args.config_overrides:
-        config.update_from_string(model_args.config_overrides)
+    apply_config_overrides(config, model_args.config_overrides)
     if model_args.dropout is not None:
         for name, value in config.to_dict().items():
             if "dropout" in name and (value is None or isinstance(value, float)):
@@ -146,19 +226,37 @@ def first(dataset, limit):
 def train_and_save(trainer, training_args, train_samples: int) -> dict:
     """Train (resuming as ExtTrainer does), save the model and state, report and return the training metrics. A re-run
     of a finished command trains nothing and leaves the model, state and metrics files of the finished run alone."""
-    outcome = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    if getattr(trainer, "training_already_complete", None) is not None:
-        return dict(outcome.metrics)
-    if trainer.final_model_dir is None:  # a SageMaker job's train() saved it already
-        trainer.save_model()
-    metrics = {**outcome.metrics, "train_samples": train_samples}
-    trainer.log_metrics("train", metrics)
-    trainer.save_metrics("train", metrics)
-    trainer.save_state()
+    from ..output_dir import out_of_space
+
+    try:
+        outcome = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        if getattr(trainer, "training_already_complete", None) is not None:
+            return dict(outcome.metrics)
+        if trainer.final_model_dir is None:  # a SageMaker job's train() saved it already
+            trainer.save_model()
+        metrics = {**outcome.metrics, "train_samples": train_samples}
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+    except Exception as err:
+        full = out_of_space(err, training_args, trainer.model)  # a save on a full disk: one line naming the folder
+        if full is None:
+            raise
+        raise full from err
     return metrics
 
 
 # -- checks every recipe makes before its model is loaded -----------------------------------------------------------
+def check_something_to_do(training_args, data_args, steps=("do_train", "do_eval", "do_predict")) -> None:
+    """A command with none of the task's steps (a v4 habit: the flags were off by default there too) read nothing,
+    trained nothing and exited 0 without a word. `steps`: the TrainingArguments flags the task acts on."""
+    if any(getattr(training_args, step, False) for step in steps) or getattr(data_args, "evaluate_before_training",
+                                                                             False):
+        return
+    raise ArgumentsError(f"nothing to do: give {', '.join('--' + step for step in steps)} (one or more; "
+                         "--do_train to train)")
+
+
 def check_output_dir(training_args, model_path) -> None:
     """A training run never writes over the model it starts from, nor into a folder another run is writing (seconds,
     before the model loads; ExtTrainer.train takes the lock itself)."""

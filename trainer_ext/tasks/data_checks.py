@@ -47,6 +47,8 @@ def first_problem(path) -> str | None:
         return f"{path}: cannot be read ({err.strerror})"
     if not text.strip():
         return f"{path} is empty: it needs one example per line"
+    if path.suffix.lower() in (".csv", ".tsv"):
+        return table_problem(path, text)
     if path.suffix.lower() not in (".json", ".jsonl"):
         return None
     stripped = text.lstrip()
@@ -66,6 +68,21 @@ def first_problem(path) -> str | None:
                     "object such as {\"sentence\": \"...\", \"label\": 1}")
         if not isinstance(value, dict):
             return f"{path} line {number} is a JSON {type(value).__name__}, not an object with named fields"
+    return None
+
+
+def table_problem(path: Path, text: str) -> str | None:
+    """A CSV whose fields are separated by tabs (or a TSV by commas) reads as one column named by the whole header
+    line; a header without rows made datasets say 'Instruction "train" corresponds to no data!'."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    header, tabs = lines[0], path.suffix.lower() == ".tsv"
+    if not tabs and "\t" in header and "," not in header:
+        return (f"{path}: its header line is separated by tabs, not commas ({header!r}): name the file .tsv, or "
+                "separate the fields with commas")
+    if tabs and "," in header and "\t" not in header:
+        return f"{path}: its header line is separated by commas, not tabs ({header!r}): name the file .csv"
+    if len(lines) < 2:
+        return f"{path} has a header line ({header!r}) but no rows: add one example per line below it"
     return None
 
 

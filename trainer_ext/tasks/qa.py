@@ -332,15 +332,19 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     from ..process_setup import prepare_process, sharded_loading
     from ..trainer import ExtTrainer
 
-    from .common import check_best_metric, check_output_dir, check_sequence_length, reading
+    from .common import check_best_metric, check_output_dir, check_something_to_do, check_sequence_length, reading
 
     model_path = model_args.model_name_or_path or shipped_model()
     check_output_dir(training_args, model_path)
+    if training_args.do_predict:  # it was ignored without a word
+        raise ArgumentsError("--do_predict: this QA recipe has no test split; --do_eval writes the validation set's "
+                             "predictions (eval_predictions.json): drop --do_predict")
+    check_something_to_do(training_args, data_args, steps=("do_train", "do_eval"))
     check_best_metric(training_args, EVAL_METRICS)
     prepare_process(training_args)  # before the data and model load (--checkpoint_uri checked, threads per rank)
+    config = load_config(model_path, model_args)  # --config_overrides checked before the data and weights load
     files, left_out = checked_files(data_args, training_args)
     set_seed(training_args.seed)  # the new span head is initialised identically on every backend
-    config = load_config(model_path, model_args)
     tokenizer = load_tokenizer(model_path, model_args)
     if not tokenizer.is_fast:
         raise ArgumentsError(f"{type(tokenizer).__name__} is not a fast tokenizer: question answering needs the "

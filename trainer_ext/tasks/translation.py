@@ -12,7 +12,8 @@ import numpy as np
 
 from ..errors import ArgumentsError
 from .common import ModelArguments as CommonModelArguments
-from .common import check_sample_limits, nearby, reading, shipped_model, train_and_save, with_channels
+from .common import (apply_config_overrides, check_sample_limits, nearby, reading, shipped_model, train_and_save,
+                     with_channels)
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,12 @@ def data_files(data_args: DataArguments, training_args) -> dict[str, str]:
     if missing:
         raise DataFileError("; ".join(missing) + " (give existing JSON lines files, one {\"translation\": "
                             "{source_lang: text, target_lang: text}} per line)")
+    other = [f"--{split}_file {path}" for split, path in files.items()
+             if not path.lower().endswith((".jsonl", ".json"))]
+    if other:  # datasets' JSON reader said only "JSON parse error: Invalid value. in row 0"
+        raise DataFileError(f"{', '.join(other)}: translation reads JSON lines (.jsonl), one {{\"translation\": "
+                            f"{{\"{data_args.source_lang}\": \"...\", \"{data_args.target_lang}\": \"...\"}}}} per "
+                            "line; convert the file to that")
     if shipped and files:
         shipped_data_note(SHIPPED_DATA)
     return files
@@ -178,12 +185,27 @@ def adjust_config(config, dropout: float | None, overrides: str | None, kwargs: 
         for name in DROPOUT_FIELDS:
             if hasattr(config, name):
                 setattr(config, name, dropout)
-    if overrides:
-        try:
-            config.update_from_string(overrides)
-        except ValueError as err:
-            raise ArgumentsError(f"--config_overrides {overrides}: {err} (keys must exist in the "
-                             f"{type(config).__name__})") from None
+    apply_config_overrides(config, overrides)
+
+
+def check_model_config(model_args: ModelArguments) -> None:
+    """Before the data loads: --model_name_or_path is a sequence-to-sequence model (an encoder-only one ended in
+    "cannot read the model: Unrecognized configuration class"), and --config_overrides fit its config (or the shipped
+    MiniLM's, which the warm-started encoder and decoder copy); build_model applies them to the config it loads."""
+    from transformers import AutoConfig
+
+    name = model_args.model_name_or_path
+    if name is None and not model_args.config_overrides:
+        return
+    with reading("--model_name_or_path", name or shipped_model(), "model"):
+        config = AutoConfig.from_pretrained(name or shipped_model())
+    if name is not None and not getattr(config, "is_encoder_decoder", False):
+        raise ArgumentsError(f"--model_name_or_path {name}: a {type(config).__name__} ({config.model_type}) is not a "
+                             "sequence-to-sequence model: give a Marian, T5, BART or encoder-decoder model (or its "
+                             "config), or leave --model_name_or_path unset to warm-start an encoder-decoder from the "
+                             "shipped MiniLM")
+    for sub in _sub_configs(config):
+        adjust_config(copy.deepcopy(sub), model_args.dropout, model_args.config_overrides, model_args.config_kwargs)
 
 
 def _sub_configs(config):
@@ -291,12 +313,14 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     from ..process_setup import prepare_process, sharded_loading
     from ..seq2seq import ExtSeq2SeqTrainer
 
-    from .common import check_best_metric, check_output_dir
+    from .common import check_best_metric, check_output_dir, check_something_to_do
 
     check_output_dir(training_args, model_args.model_name_or_path)
+    check_something_to_do(training_args, data_args)
     check_best_metric(training_args, EVAL_METRICS)
     prepare_process(training_args)  # before the data and model load (--checkpoint_uri checked, threads per rank)
     files = data_files(data_args, training_args)
+    check_model_config(model_args)  # seconds, before the data and the weights load
     pairs = load_pairs(files, data_args)  # checked before the model loads
     set_seed(training_args.seed)  # new weights (cross-attention, a config-built model) equal on every rank
     with sharded_loading(training_args):  # partitioned where the backend can (ZeRO-3)

@@ -1,0 +1,581 @@
+"""A user's first week (issue 35): flags from transformers 4 tutorials, --report_to and --config_overrides typos, their
+own script's data, a full disk, the CLI's --version and plan, data files and commands that did nothing. Each case runs
+in this process (the examples' main, ExtTrainer on a tiny model, trainer_ext.cli.main) and expects what a user sees:
+one line naming the field, the value and the fix, exit status 2, before any work where the mistake allows."""
+
+import ctypes
+import dataclasses
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from conftest import REPO, example, tiny_bart_config, tiny_bert, user_error, write_lines
+from trainer_ext import ExtArgumentParser, ExtTrainer, ExtTrainingArguments
+from trainer_ext.errors import ArgumentsError, UserError
+
+FAST = ["--max_steps", "2", "--report_to", "none", "--disable_tqdm", "true"]
+SHORT = ["--max_seq_length", "32"]
+
+
+def parse_error(capsys, tmp_path, *argv):
+    """The parser's message for training flags that must be refused at parsing (exit 2)."""
+    with pytest.raises(SystemExit) as stopped:
+        ExtArgumentParser(ExtTrainingArguments, prog="train.py").parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path / "out"), *map(str, argv)])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "Traceback" not in err, err
+    return err
+
+
+def sentences(n, labels=(0, 1)):
+    return [{"sentence": f"the movie was good number {i}", "label": labels[i % len(labels)]} for i in range(n)]
+
+
+# -- --report_to -------------------------------------------------------------------------------------------------------
+
+def test_report_to_names_are_checked_at_parsing(tmp_path, capsys):
+    """--report_to tensorbord ended in transformers' ValueError traceback once data and model were loaded, with no
+    suggestion; "tensorboard,none" and a v4-style "--report_to tensorboard wandb" too."""
+    err = parse_error(capsys, tmp_path, "--report_to", "tensorbord")
+    assert "--report_to tensorbord: not an integration transformers reports to, did you mean 'tensorboard'?" in err
+    assert "(valid: all, none, azure_ml," in err
+    assert "'none' stands alone" in parse_error(capsys, tmp_path, "--report_to", "tensorboard,none")
+    assert "give several integrations separated by commas, e.g. --report_to tensorboard,wandb" in parse_error(
+        capsys, tmp_path, "--report_to", "tensorboard", "wandb")
+    with pytest.raises(ArgumentsError, match="did you mean 'none'"):
+        ExtTrainingArguments(output_dir=str(tmp_path), report_to=["None"])
+    # several, comma separated: the list transformers reads (the command line takes one word since transformers 5)
+    args = ExtTrainingArguments(output_dir=str(tmp_path), report_to="tensorboard, kubeflow")
+    assert args.report_to[:2] == ["tensorboard", "kubeflow"]
+    sagemaker = ExtTrainingArguments(output_dir=str(tmp_path), report_to="['tensorboard']")  # str() of a list
+    assert sagemaker.report_to[:1] == ["tensorboard"]
+
+
+def test_report_to_typo_in_an_experiment_file_is_refused_by_check(tmp_path, capsys):
+    """`trainer-ext train exp.yaml --check` printed report_to: [tensorbord] as valid (exit 0)."""
+    from trainer_ext.cli import main
+
+    status = main(["train", str(REPO / "experiments" / "classification.yaml"), "--report_to", "tensorbord", "--check"])
+    assert status == 2 and "did you mean 'tensorboard'?" in capsys.readouterr().err
+
+
+# -- flags transformers 5 removed --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,phrase", [
+    (["--save_safetensors", "false"], "--save_safetensors: transformers 5 removed it: checkpoints are always "
+                                      "safetensors; drop it"),
+    (["--evaluation_strategy", "steps"], "transformers 5 renamed it: use --eval_strategy"),
+    (["--no_cuda"], "--no_cuda: transformers 5 removed it: use --use_cpu"),
+    (["--overwrite_output_dir"], "pass --fresh_start to start over"),
+    (["--logging_dir", "logs"], "TensorBoard writes under --output_dir/runs"),
+    (["--lr", "1e-4"], "--lr: use --learning_rate"),
+])
+def test_flags_of_old_tutorials_say_what_to_type_instead(tmp_path, capsys, argv, phrase):
+    """--save_safetensors false said "did you mean --save_steps?", --no_cuda nothing, --lr "did you mean --help?"."""
+    err = parse_error(capsys, tmp_path, *argv)
+    assert f"unrecognized argument {argv[0]}" in err and phrase in err and "did you mean" not in err
+
+
+def test_the_removed_flags_table_holds_for_the_installed_transformers():
+    """An entry for a flag transformers still has would hide it, and advice naming a flag no parser takes would send
+    users to another error: every key is no example's flag (nor a field of the installed TrainingArguments), and
+    every flag an entry tells users to type is one."""
+    from transformers import Seq2SeqTrainingArguments, TrainingArguments
+
+    from trainer_ext.config.experiment_file import argument_classes
+    from trainer_ext.config.removed import OTHER_SPELLINGS, REMOVED_FLAGS
+
+    fields = {f.name for cls in (TrainingArguments, Seq2SeqTrainingArguments) for f in dataclasses.fields(cls)}
+    assert not set(REMOVED_FLAGS) & fields, set(REMOVED_FLAGS) & fields
+    assert "fp16_full_eval" in fields  # still there in transformers 5: not in the table
+    options = {option for task in ("classification", "qa", "translation")
+               for action in ExtArgumentParser(argument_classes(task))._actions for option in action.option_strings}
+    for name, advice in {**REMOVED_FLAGS, **OTHER_SPELLINGS}.items():
+        assert f"--{name}" not in options, name
+        for flag in re.findall(r"--[a-z_0-9]+", advice):
+            assert flag in options, (name, flag)
+
+
+def test_an_experiment_file_key_transformers_5_removed_says_what_to_write(tmp_path):
+    """`save_safetensors: false` in an experiment file said "did you mean 'save_steps'?"."""
+    from trainer_ext.config.experiment_file import ExperimentError, load_experiment
+
+    path = tmp_path / "exp.yaml"
+    path.write_text("task: classification\nhyperparameters:\n  save_safetensors: false\n  evaluation_strategy: steps\n")
+    with pytest.raises(ExperimentError) as refused:
+        load_experiment(path)
+    assert "unknown key 'save_safetensors': transformers 5 removed it" in str(refused.value)
+    assert "unknown key 'evaluation_strategy': transformers 5 renamed it: use --eval_strategy" in str(refused.value)
+
+
+def test_train_sampling_strategy_that_exttrainer_would_ignore_is_refused(tmp_path, capsys):
+    """--train_sampling_strategy group_by_length (transformers 5's home of --group_by_length) trained in ExtTrainer's
+    own order without a word."""
+    err = parse_error(capsys, tmp_path, "--train_sampling_strategy", "group_by_length")
+    assert "--train_sampling_strategy group_by_length: ExtTrainer trains in its own order" in err
+
+
+# -- --config_overrides and --dropout ----------------------------------------------------------------------------------
+
+def test_config_overrides_are_checked_against_the_config(tmp_path):
+    """A misspelled key or a value of the wrong type ended in a ValueError traceback, a key whose value is None
+    (classifier_dropout) in a TypeError one; each is named with the fix, all at once, and the config left as it was."""
+    from transformers import BertConfig
+
+    from trainer_ext.tasks.common import ModelArguments, apply_config_overrides
+
+    config = BertConfig()
+    with pytest.raises(ArgumentsError) as refused:
+        apply_config_overrides(config, "hidden_dropout_prb=0.2,num_hidden_layers=two,hidden_dropout_prob=1.5,"
+                                       "use_cache=maybe")
+    lines = str(refused.value).splitlines()
+    assert lines == [
+        "--config_overrides hidden_dropout_prb=0.2: BertConfig has no field 'hidden_dropout_prb' (did you mean "
+        "hidden_dropout_prob?); e.g. hidden_dropout_prob=0.2,num_hidden_layers=4",
+        "--config_overrides num_hidden_layers=two: BertConfig's num_hidden_layers is 12, so 'two' must be a whole "
+        "number",
+        "--config_overrides hidden_dropout_prob=1.5: a dropout probability must be in [0, 1]",
+        "--config_overrides use_cache=maybe: BertConfig's use_cache is True, so 'maybe' must be true or false"]
+    assert config.hidden_dropout_prob == 0.1
+    apply_config_overrides(config, "classifier_dropout=0.2,num_hidden_layers=4,use_cache=false")
+    assert (config.classifier_dropout, config.num_hidden_layers, config.use_cache) == (0.2, 4, False)
+    with pytest.raises(ArgumentsError, match=r"give key=value pairs separated by commas.*'hidden_dropout_prob' has "
+                                             r"no '='"):
+        ModelArguments(config_overrides="hidden_dropout_prob")  # at parse time: no config needed
+    with pytest.raises(ArgumentsError, match=r"--dropout 1.5: a probability must be in \[0, 1\]"):
+        ModelArguments(dropout=1.5)  # it blamed --model_name_or_path: "cannot read the model: dropout probability"
+
+
+def test_config_overrides_stop_before_the_data_is_read(tmp_path, capsys, tiny_bert_dir):
+    """The typo was found after the data (and, for QA and translation, the model) loaded: a training file that does not
+    parse must not be reached."""
+    broken = tmp_path / "train.jsonl"
+    broken.write_text('{"sentence": "a",\n')
+    typo = ["--config_overrides", "hidden_dropout_prb=0.2"]
+    err = user_error(capsys, "run_glue", "--model_name_or_path", tiny_bert_dir, "--output_dir", tmp_path / "out",
+                     "--train_file", broken, "--do_train", *FAST, *SHORT, *typo)
+    assert "BertConfig has no field 'hidden_dropout_prb' (did you mean hidden_dropout_prob?)" in err
+    squad = tmp_path / "train.json"
+    squad.write_text("[]")
+    err = user_error(capsys, "run_qa", "--model_name_or_path", tiny_bert_dir, "--output_dir", tmp_path / "out",
+                     "--train_file", squad, "--do_train", "--doc_stride", 8, *FAST, *SHORT, *typo)
+    assert "did you mean hidden_dropout_prob?" in err
+    bart = tiny_bart_config(tmp_path / "bart.json")
+    err = user_error(capsys, "run_translation", "--model_name_or_path", bart, "--output_dir", tmp_path / "out",
+                     "--train_file", broken, "--do_train", *FAST, "--config_overrides", "d_modle=16")
+    assert "BartConfig has no field 'd_modle' (did you mean d_model?)" in err
+
+
+def test_an_encoder_only_model_for_translation_is_named(tmp_path, capsys, tiny_bert_dir):
+    """A BERT folder given to run_translation said "cannot read the model: Unrecognized configuration class", after
+    the data was read."""
+    err = user_error(capsys, "run_translation", "--model_name_or_path", tiny_bert_dir, "--output_dir",
+                     tmp_path / "out", "--do_train", *FAST)
+    assert "a BertConfig (bert) is not a sequence-to-sequence model: give a Marian, T5, BART or encoder-decoder" in err
+
+
+# -- a user's own script: streams and text columns ---------------------------------------------------------------------
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in range(32):
+            yield {"input_ids": [1, 2, 3, i % 40 + 4], "labels": i % 2}
+
+
+def test_a_stream_without_max_steps_is_named_before_transformers_refuses_it(tmp_path):
+    """An IterableDataset without --max_steps ended in transformers' ValueError traceback from Trainer.__init__, before
+    ExtTrainer's own message (in get_train_dataloader) could speak: check_training_data says it first."""
+    from transformers import Trainer
+
+    from trainer_ext.data.loader import check_training_data
+
+    args = ExtTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match="max_steps has to be specified"):  # what stock transformers does, in __init__
+        Trainer(model=tiny_bert(), args=args, train_dataset=Stream())
+    with pytest.raises(UserError, match=r"the training set \(Stream\) is a stream with no length, so an epoch has no "
+                                        r"end: give --max_steps"):
+        check_training_data(Stream(), args)
+    check_training_data(Stream(), ExtTrainingArguments(output_dir=str(tmp_path), report_to="none", max_steps=4))
+    check_training_data([{"input_ids": [1]}], args)
+
+
+def test_text_columns_reaching_a_padding_collator_are_named(tmp_path, tiny_bert_dir):
+    """--remove_unused_columns false with a column of strings ended in the collator's traceback at the first batch,
+    suggesting padding=True and truncation=True."""
+    import datasets
+    from transformers import BertTokenizerFast, DataCollatorWithPadding
+
+    tokenizer = BertTokenizerFast.from_pretrained(tiny_bert_dir)
+    data = datasets.Dataset.from_list([{"input_ids": [1, 2, 3, i % 40 + 4], "labels": i % 2, "sentence": "a b",
+                                        "idx": i} for i in range(32)])
+    args = ExtTrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, max_steps=2,
+                                per_device_train_batch_size=8, remove_unused_columns=False, disable_tqdm=True)
+    trainer = ExtTrainer(model=tiny_bert(), args=args, train_dataset=data,
+                         data_collator=DataCollatorWithPadding(tokenizer))
+    with pytest.raises(UserError) as refused:
+        trainer.train()
+    assert str(refused.value) == (
+        "the training data's column(s) 'sentence' hold text, which DataCollatorWithPadding cannot batch (it pads token "
+        "ids into tensors): drop them (dataset.remove_columns(['sentence'])), or leave --remove_unused_columns on (it "
+        "drops the columns the model's forward does not take)")
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_the_padding_collators_named_do_fail_on_text(tiny_bert_dir):
+    """The check must name only collators that fail on a text column: each one listed is held to it here."""
+    import transformers
+    from transformers import BertTokenizerFast
+
+    from trainer_ext.data.loader import PADDING_COLLATORS
+
+    tokenizer = BertTokenizerFast.from_pretrained(tiny_bert_dir)
+    features = [{"input_ids": [2, 5, 6, 3], "labels": 1, "sentence": "a b"},
+                {"input_ids": [2, 5, 3], "labels": 0, "sentence": "c"}]
+    for name in PADDING_COLLATORS:
+        collator = getattr(transformers, name)(tokenizer)
+        batch = [dict(f) for f in features] if name != "DataCollatorForMultipleChoice" else \
+            [{key: value if key == "labels" else [value, value] for key, value in f.items()} for f in features]
+        with pytest.raises((ValueError, TypeError)):
+            collator(batch)
+    assert "sentence" not in transformers.default_data_collator([dict(features[0])])  # left out, not refused
+
+
+# -- a full disk -------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(folder, size): a real tmpfs of `size` there (ctypes' mount(2), no process started); unmounted after the
+    test. Skips where mounting needs privileges this process lacks."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    mounted = []
+
+    def mount(folder, size):
+        folder.mkdir(parents=True, exist_ok=True)
+        if libc.mount(b"tmpfs", str(folder).encode(), b"tmpfs", 0, f"size={size}".encode()) != 0:
+            pytest.skip(f"cannot mount a small tmpfs here ({os.strerror(ctypes.get_errno())}): needs root")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        libc.umount2(str(folder).encode(), 2)  # MNT_DETACH
+
+
+def fill(folder, leave: int) -> None:
+    """Fill `folder`'s disk until `leave` bytes are free."""
+    import shutil
+
+    free = shutil.disk_usage(folder).free
+    with open(folder / "filler", "wb") as stream:
+        stream.write(b"\0" * max(free - leave, 0))
+
+
+def tiny_args(output_dir, **kwargs):
+    return ExtTrainingArguments(output_dir=str(output_dir), report_to="none", use_cpu=True, max_steps=2,
+                                per_device_train_batch_size=8, save_steps=1, disable_tqdm=True, **kwargs)
+
+
+DATA = [{"input_ids": [1, 2, 3, i % 40 + 4], "labels": i % 2} for i in range(32)]
+
+
+def test_a_disk_without_room_for_a_checkpoint_is_named_before_training(tmp_path, small_disk):
+    """--output_dir on a full disk trained until the first save, then failed with SafetensorError / torch's
+    "unexpected pos" naming neither the folder nor the checkpoint."""
+    from trainer_ext.output_dir import OutputDirError, checkpoint_bytes
+
+    disk = small_disk(tmp_path / "disk", "64k")
+    args = tiny_args(disk / "out")
+    model = tiny_bert()
+    weights, optimizer = checkpoint_bytes(model, args)
+    assert weights == 4 * sum(p.numel() for p in model.parameters()) and optimizer == 2 * weights
+    with pytest.raises(OutputDirError) as refused:
+        ExtTrainer(model=model, args=args, train_dataset=DATA).train()
+    assert re.fullmatch(rf"--output_dir {re.escape(str(disk / 'out'))}: 0\.1 MiB free on its disk "
+                        rf"\({re.escape(str(disk))}\) and one checkpoint of "
+                        r"this model needs at least 0\.\d MiB \(weights 0\.\d MiB \+ optimizer state 0\.\d MiB\): free "
+                        r"space there, or give --output_dir on a disk with room, or --save_strategy no",
+                        str(refused.value)), str(refused.value)
+    assert not (disk / "out").exists() or not any((disk / "out").iterdir())
+
+
+def test_a_save_that_finds_the_disk_full_is_one_line_and_the_rerun_says_why(tmp_path, small_disk):
+    """The disk filling during training (other jobs, earlier checkpoints): the save's traceback became one line naming
+    the folder, the checkpoint and the space it needs; the same command again said the same traceback, now it names
+    the unfinished checkpoint before training, and with room again the run trains."""
+    import transformers
+
+    from trainer_ext.output_dir import OutputDirError, checkpoint_bytes
+    from trainer_ext.tasks.common import train_and_save
+
+    disk = small_disk(tmp_path / "disk", "1m")
+    model = tiny_bert()
+    weights, _ = checkpoint_bytes(model, tiny_args(disk / "out"))
+
+    class FillTheDisk(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            fill(disk, weights + 32 * 1024)  # room for the weights, not for the optimizer's state
+
+    args = tiny_args(disk / "out")
+    trainer = ExtTrainer(model=model, args=args, train_dataset=DATA, callbacks=[FillTheDisk()])
+    with pytest.raises(OutputDirError) as refused:
+        train_and_save(trainer, args, len(DATA))
+    message = str(refused.value)
+    assert message.startswith(f"--output_dir {disk / 'out'}: no space left on its disk (")
+    assert "free of 1.0 MiB on it" in message
+    assert f"while writing checkpoint-1 ({disk / 'out' / '.staging' / 'checkpoint-1' / 'optimizer.pt'})" in message
+    assert "one checkpoint of this model needs at least" in message
+    assert "the same command continues from it" in refused.value.outcome
+    with pytest.raises(OutputDirError, match=r"\.staging holds 0\.\d MiB of an unfinished checkpoint: delete it"):
+        ExtTrainer(model=tiny_bert(), args=tiny_args(disk / "out"), train_dataset=DATA).train()
+    (disk / "filler").unlink()
+    ExtTrainer(model=tiny_bert(), args=tiny_args(disk / "out"), train_dataset=DATA).train()
+    assert (disk / "out" / "checkpoint-2").is_dir() and not (disk / "out" / ".staging").exists()
+
+
+def test_every_way_a_write_reports_a_full_disk_is_recognised(tmp_path, small_disk):
+    """open() raises OSError ENOSPC, safetensors a SafetensorError without an errno, torch.save a RuntimeError
+    ("unexpected pos"): each is named, an unrelated error is not; and the lock on a full disk is one line."""
+    import safetensors.torch
+
+    from trainer_ext.output_dir import OutputDirError, OutputDirLock, out_of_space
+
+    disk = small_disk(tmp_path / "disk", "64k")
+    args = tiny_args(disk / "out")
+    model = tiny_bert()
+    writes = {"open": lambda path: path.write_bytes(b"\0" * 200_000),
+              "safetensors": lambda path: safetensors.torch.save_file({"w": torch.zeros(50_000)}, str(path)),
+              "torch.save": lambda path: torch.save({"w": torch.zeros(50_000)}, str(path))}
+    for name, write in writes.items():
+        (disk / "out").mkdir(exist_ok=True)
+        try:
+            write(disk / "out" / "file.bin")
+        except Exception as err:  # noqa: BLE001 - what each writer raises is the point
+            error = out_of_space(err, args, model)
+        else:
+            pytest.fail(f"{name} wrote 200 kB on a 64 kB disk")
+        assert error is not None and f"--output_dir {disk / 'out'}: no space left on its disk" in str(error), name
+        assert "file.bin" in str(error), (name, str(error))
+        (disk / "out" / "file.bin").unlink(missing_ok=True)
+    assert out_of_space(ValueError("a bug"), args, model) is None
+    fill(disk, 0)
+    with pytest.raises(OutputDirError, match=r"no space left on its disk \(writing its lock \.trainer_ext\.lock "
+                                             r"failed: No space left on device\)"):
+        OutputDirLock.acquire(disk / "lock")
+
+
+# -- trainer-ext -------------------------------------------------------------------------------------------------------
+
+def test_version_names_what_a_bug_report_needs(capsys):
+    """`trainer-ext --version` said "unknown command '--version'"."""
+    from importlib.metadata import version
+
+    from trainer_ext import __version__
+    from trainer_ext.cli import main
+
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"trainer_ext {__version__} (") and out[1].startswith("python ")
+    assert f"torch {version('torch')}" in out and f"transformers {version('transformers')}" in out
+    assert any(line.startswith("deepspeed ") for line in out) and any(line.startswith("fairscale ") for line in out)
+
+
+def test_plan_refuses_counts_and_sizes_that_plan_nothing(capsys):
+    """`plan --num_parameters 0 --device_memory 0GB` exited 0 with "cheapest that fits in 0.00 MiB"; a size without a
+    unit read as bytes ("80": nothing fits); a negative --num_labels passed."""
+    from trainer_ext.cli import main
+
+    assert main(["plan", "--num_parameters", "0", "--device_memory", "0GB", "--world_size", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "trainer-ext plan: error: --num_parameters '0': a model has at least one parameter; give its count, e.g. "
+        "22713216, 350M or 7e9",
+        "--device_memory '0GB': a device has more than 0 bytes; give its memory, e.g. 16GB or 80GiB"]
+    assert main(["plan", "--num_parameters", "7B", "--device_memory", "80", "--world_size", "8"]) == 2
+    assert "--device_memory '80' reads as 80 bytes: give the unit, e.g. 80GB or 80GiB" in capsys.readouterr().err
+    assert main(["plan", "--num_parameters", "1M", "--world_size", "1", "--num_labels", "-2"]) == 2
+    assert "--num_labels -2: give the classifier's number of labels" in capsys.readouterr().err
+    assert main(["plan", "--num_parameters", "7B", "--device_memory", "80GB", "--world_size", "8"]) == 0
+
+
+def test_a_misspelled_search_flag_suggests_the_search_flag():
+    """`trainer-ext search exp.yaml --max_trial 3` said "did you mean --max_train_samples?" (the trials' flags only)."""
+    from trainer_ext.cli import search_flags_misspelled, search_parser
+
+    kept, problems = search_flags_misspelled(search_parser(), ["--max_trial", "3", "--learning_rate", "1e-4",
+                                                               "--paralel_trials=2", "--max_train_samples", "8"])
+    assert kept == ["--learning_rate", "1e-4", "--max_train_samples", "8"]
+    assert problems == ["unrecognized argument --max_trial (did you mean --max_trials?)",
+                        "unrecognized argument --paralel_trials=2 (did you mean --parallel_trials?)"]
+
+
+# -- data files and commands that did nothing --------------------------------------------------------------------------
+
+GLUE_CASES = {
+    # id -> (files to write: name -> text or rows, flags, phrase)
+    "a CSV separated by tabs": ({"train.csv": "sentence\tlabel\n" + "".join(f"s {i}\t{i % 2}\n" for i in range(8))},
+                                ["--do_train"],
+                                "its header line is separated by tabs, not commas ('sentence\\tlabel'): name the file "
+                                ".tsv"),
+    "a CSV with a header only": ({"train.csv": "sentence,label\n"}, ["--do_train"],
+                                 "has a header line ('sentence,label') but no rows"),
+    "a column name in another case": ({"train.csv": "Sentence,Label\n" + "".join(f"s {i},{i % 2}\n" for i in range(8))},
+                                      ["--do_train"], "(did you mean --text_column Sentence?)"),
+    "no --do_train": ({"train.jsonl": sentences(16)}, [],
+                      "nothing to do: give --do_train, --do_eval, --do_predict (one or more; --do_train to train)"),
+}
+
+
+@pytest.mark.parametrize("case", list(GLUE_CASES))
+def test_data_files_and_commands_of_the_first_week(tmp_path, capsys, tiny_bert_dir, case):
+    """A .csv of tabs said "the training data has columns ['sentence\\tlabel']", a header-only CSV 'Instruction "train"
+    corresponds to no data!', a 'Sentence' header no suggestion; a command without --do_train read, did nothing and
+    exited 0 without a word."""
+    files, flags, phrase = GLUE_CASES[case]
+    given = []
+    for name, content in files.items():
+        path = tmp_path / name
+        path.write_text(content) if isinstance(content, str) else write_lines(path, content)
+        given += [f"--{name.split('.')[0]}_file", path]
+    err = user_error(capsys, "run_glue", "--model_name_or_path", tiny_bert_dir, "--output_dir", tmp_path / "out",
+                     *given, *FAST, *SHORT, *flags)
+    assert phrase in err, err
+
+
+def test_qa_predict_and_translation_csv_are_named(tmp_path, capsys, tiny_bert_dir):
+    """run_qa --do_predict was ignored without a word (the recipe has no test split); run_translation on a CSV file
+    said "JSON parse error: Invalid value. in row 0"."""
+    err = user_error(capsys, "run_qa", "--model_name_or_path", tiny_bert_dir, "--output_dir", tmp_path / "out",
+                     "--do_predict", *FAST)
+    assert "--do_predict: this QA recipe has no test split; --do_eval writes the validation set's predictions" in err
+    pairs = tmp_path / "pairs.csv"
+    pairs.write_text("en,de\na b,c d\n")
+    bart = tiny_bart_config(tmp_path / "bart.json")
+    err = user_error(capsys, "run_translation", "--model_name_or_path", bart, "--output_dir", tmp_path / "out",
+                     "--train_file", pairs, "--do_train", *FAST)
+    assert f"--train_file {pairs}: translation reads JSON lines (.jsonl), one {{\"translation\": {{\"en\": " in err
+
+
+# -- DeepSpeed files: ds-config and training refuse the same ones, a machine's NVMe folder, DeepSpeed's ops -------------
+
+def cli(capsys, *argv):
+    """trainer-ext in this process: (exit status, stdout, stderr)."""
+    from trainer_ext.cli import main
+
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as stopped:  # the flag parser's own exit
+        code = stopped.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def training_refuses(tmp_path, config, **flags):
+    """What building a training run's arguments with this DeepSpeed file says (they resolve it before any work)."""
+    from trainer_ext.deepspeed_config import DeepSpeedConfigError
+
+    with pytest.raises(DeepSpeedConfigError) as refused:
+        ExtTrainingArguments(output_dir=str(tmp_path / "out"), deepspeed=config, use_cpu=True, report_to="none",
+                             **flags)
+    return str(refused.value)
+
+
+def test_ds_config_and_training_refuse_the_same_file(tmp_path, capsys):
+    """`"reduce_bucket_size": "huge"` rendered in ds-config (exit 0) and failed in DeepSpeed's pydantic check once
+    the model was loaded; a section the translator passes through (comms_logger) is read by DeepSpeed's own parser."""
+    config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "huge"}, "comms_logger": {"enabled": "maybe"}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    code, out, err = cli(capsys, "ds-config", "--deepspeed", path, "--output_dir", tmp_path / "out")
+    assert code == 2 and not out and "2 problems" in err
+    trained = training_refuses(tmp_path, str(path))
+    for said in (err, trained):
+        assert 'zero_optimization.reduce_bucket_size="huge": must be a whole number > 0, as DeepSpeed requires' in said
+        assert 'comms_logger.enabled="maybe": DeepSpeed refuses it: Input should be a valid boolean' in said
+    # What DeepSpeed's models accept, the translator takes: "1_000" and "yes" as pydantic reads them.
+    from trainer_ext.deepspeed_config import resolve_deepspeed_config
+
+    resolved = resolve_deepspeed_config({"bf16": True}, {"bf16": {"enabled": "yes"},
+                                                         "zero_optimization": {"stage": 2, "reduce_bucket_size": "1_000"}},
+                                        world_size=1, num_training_steps=4)
+    assert resolved.config["bf16"]["enabled"] is True and resolved.config["zero_optimization"]["reduce_bucket_size"] == 1000
+
+
+def test_an_nvme_folder_is_checked_by_training_on_its_machine_not_by_ds_config(tmp_path, capsys):
+    """ZeRO-3 offload to an nvme_path that does not exist: ds-config exited 0, and training built the cpu_adam op for
+    minutes before dying with "cpu_adam op failed to build/load". ds-config may run on a login node: it notes the folder;
+    training checks it (exists, is a folder, writable) before any work."""
+    def zero3(path):
+        return {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(path)}}}
+
+    code, out, err = cli(capsys, "ds-config", "--deepspeed", json.dumps(zero3(tmp_path / "absent")),
+                         "--output_dir", tmp_path / "out")
+    assert code == 0 and json.loads(out)["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    assert f"nvme_path {tmp_path / 'absent'} is not checked here; training checks on each machine" in err
+    said = training_refuses(tmp_path, zero3(tmp_path / "absent"))
+    assert f"zero_optimization.offload_optimizer.nvme_path={tmp_path / 'absent'}: no such folder on this machine" in said
+    (tmp_path / "file").write_text("")
+    assert "a file, not a folder" in training_refuses(tmp_path, zero3(tmp_path / "file"))
+    missing = training_refuses(tmp_path, {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+    assert 'zero_optimization.offload_param.device is "nvme" but nvme_path is not set' in missing
+
+
+def test_every_flag_conflict_of_ds_config_is_said_at_once(tmp_path, capsys):
+    code, out, err = cli(capsys, "ds-config", "--bf16", "--fp16", "--warmup_ratio", "0.1", "--warmup_steps", "5",
+                         "--output_dir", tmp_path / "out")
+    assert code == 2 and not out
+    assert "--fp16 and --bf16 both set the precision: give only one" in err
+    assert "--warmup_ratio 0.1 and --warmup_steps 5 both set the warmup: give only one" in err
+
+
+def test_batch_fields_the_file_cannot_reconcile_say_the_fix_is_in_the_file(tmp_path, capsys):
+    """{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4} at world size 2 said "set
+    --per_device_train_batch_size 5", which then conflicted with the file's micro batch."""
+    code, out, err = cli(capsys, "ds-config", "--deepspeed", '{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}',
+                         "--world_size", "2", "--output_dir", tmp_path / "out")
+    assert code == 2
+    assert "10 is not a multiple of train_micro_batch_size_per_gpu × world size = 4 × 2" in err
+    assert "in the file set train_batch_size to 8 or train_micro_batch_size_per_gpu to 5" in err
+    assert "--per_device_train_batch_size" not in err.split("To make them agree")[1]
+
+
+@pytest.mark.parametrize("config,cpu,builders", [
+    ({"optimizer": {"type": "AdamW"}}, True, ["ShareMemCommBuilder", "FusedAdamBuilder"]),
+    ({"optimizer": {"type": "AdamW"}}, False, ["FusedAdamBuilder"]),
+    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}, True, ["ShareMemCommBuilder"]),
+    ({"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+     False, ["CPUAdamBuilder"]),
+    ({"optimizer": {"type": "Lion"}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                                                            "nvme_path": "/x"}}},
+     False, ["CPULionBuilder", "AsyncIOBuilder"]),
+])
+def test_the_ops_a_config_makes_deepspeed_build(config, cpu, builders):
+    from trainer_ext.ops import needed_builders
+
+    assert needed_builders(config, cpu) == builders
+
+
+@pytest.mark.deepspeed
+def test_a_run_that_would_build_an_op_says_so_and_build_ops_builds_them_ahead(tmp_path, monkeypatch, capsys):
+    """The first DeepSpeed run on a machine printed nothing for minutes while DeepSpeed compiled its ops (it looked
+    hung). The notice names the op, its folder and `trainer-ext build-ops`; once built (this session built them with
+    `trainer-ext build-ops`, see conftest.PREBUILD) a run says nothing, and build-ops only loads them."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from trainer_ext import ops
+
+    config = {"optimizer": {"type": "AdamW"}}
+    assert ops.announce_builds(config) == []  # built in this environment
+    code, out, _ = cli(capsys, "build-ops")
+    assert code == 0 and "fused_adam: built already, loading" in out and "every op is built" in out
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(ops, "_ANNOUNCED", set())
+    said = ops.announce_builds(config)
+    assert [line.split(" op ")[0] for line in said] == ["DeepSpeed builds its deepspeed_shm_comm",
+                                                        "DeepSpeed builds its fused_adam"]
+    assert f"(into {tmp_path / 'fused_adam'}), about 4 min on 2 busy CPU cores" in said[1]
+    assert "`trainer-ext build-ops` builds DeepSpeed's ops ahead of a run" in said[1]
+    assert ops.announce_builds(config) == []  # once per process
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")  # torch's own default folder, as torch computes it
+    assert str(ops.build_folder("fused_adam")) == _get_build_directory("fused_adam", verbose=False)
