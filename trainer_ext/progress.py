@@ -39,7 +39,9 @@ class SettingsCallback(TrainerCallback):
 def describe_settings(backend, args, state) -> str:
     """One block: backend, ranks, batch arithmetic, precision, steps, and the backend's own resolved settings."""
     precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
-    per_device = state.train_batch_size or args.per_device_train_batch_size
+    # A resumed state holds the checkpoint's batch size; it is the one trained only when auto_find_batch_size found it.
+    per_device = (state.train_batch_size if args.auto_find_batch_size and state.train_batch_size
+                  else args.per_device_train_batch_size)
     lines = [f"trainer_ext: backend {backend.describe()} on {args.world_size} rank(s), device {args.device.type}",
              f"  batch {per_device} per device x {args.gradient_accumulation_steps} accumulation x {args.world_size} "
              f"ranks = {per_device * args.gradient_accumulation_steps * args.world_size} per step; "

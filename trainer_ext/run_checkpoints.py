@@ -108,6 +108,13 @@ class RunCheckpoints(TrainerCallback):
         writer = writing_backend(checkpoint)
         present = all(any(checkpoint.glob(pattern)) for pattern in backend.optimizer_state)
         if present and (writer is None or writer.optimizer_state == backend.optimizer_state):
+            if other_optimizer := self._other_optimizer(checkpoint, step):
+                if not getattr(self.args, "resume_weights_only", False) or not backend.resumes_weights_only:
+                    raise CheckpointError(other_optimizer)
+                if self.trainer.is_world_process_zero():
+                    logger.warning("--resume_weights_only: %s holds another optimizer's state; its weights and step "
+                                   "%d continue, the optimizer state starts anew", checkpoint, step)
+                return True
             if not any(checkpoint.glob("rng_state*")) and self.trainer.is_world_process_zero():
                 logger.warning("resuming from %s, which holds no rng_state*.pth: the data order continues exactly "
                                "(trainer_ext's own), the random state of dropout and augmentations does not",
@@ -133,6 +140,26 @@ class RunCheckpoints(TrainerCallback):
             f"{checkpoint} {holds}: {how if other else ''}pass "
             f"--resume_weights_only to continue its weights and step {step} with a new optimizer state (the "
             "learning-rate schedule continues at that step), or --fresh_start to start over")
+
+    def _other_optimizer(self, checkpoint: Path, step: int) -> str | None:
+        """A checkpoint's optimizer state read by another optimizer (--optim adafactor after AdamW's, another
+        DeepSpeed optimizer.type): refused before the model trains (transformers loaded it into the new optimizer,
+        which failed at the first step with a KeyError traceback, or read the moments wrongly): the one line, or None
+        when it is the same optimizer (or either is unknown)."""
+        try:
+            written = json.loads((checkpoint / MARKER).read_text()).get("optimizer")
+        except (OSError, ValueError):
+            return None
+        now = optimizer_name(self.trainer)
+        if not written or not now or written.split(" (")[0] == now.split(" (")[0]:  # one class, one state format
+            return None
+        deepspeed = now.startswith(DEEPSPEED_OPTIMIZER)
+        back = (f"set the DeepSpeed file's optimizer.type back to {written.removeprefix(DEEPSPEED_OPTIMIZER)}"
+                if deepspeed else f"give {written.partition('(')[2].rstrip(')')}")
+        weights = "" if deepspeed else f", pass --resume_weights_only to continue its weights and step {step} with a " \
+                                       f"new {now.split(' (')[0]} state"
+        return (f"{checkpoint} holds the optimizer state of {written}, and this run trains with {now}: to continue "
+                f"it, {back}{weights}, or --fresh_start to start over")
 
     def continue_with_this_runs_settings(self, checkpoint: Path) -> None:
         """After a resume loaded the optimizer and scheduler (transformers', or the engine's): the optimizer's
@@ -276,6 +303,7 @@ class RunCheckpoints(TrainerCallback):
         module = trainer.backend.unwrap(trainer.accelerator.unwrap_model(trainer.model))
         final = publish(staged, run_dir, {"step": state.global_step, "world_size": self.args.world_size,
                                           "backend": trainer.backend.describe(), "backend_name": trainer.backend.name,
+                                          "optimizer": optimizer_name(trainer),
                                           "model": trainer.backend.model_fingerprint(module)})
         deleted = rotate(run_dir, checkpoints_to_keep(self.args.save_total_limit),
                          keep=Path(state.best_model_checkpoint) if state.best_model_checkpoint else None)
@@ -304,6 +332,29 @@ class RunCheckpoints(TrainerCallback):
         """Uploads still running finish (at the end, and on preemption)."""
         if self.remote is not None:
             self.remote.wait()
+
+
+DEEPSPEED_OPTIMIZER = "DeepSpeed's "
+
+
+def optimizer_name(trainer) -> str | None:
+    """The optimizer whose state a checkpoint of this run holds, known before it is built: DeepSpeed's optimizer.type,
+    else the class transformers builds for --optim (adamw_torch and adamw_torch_fused alike: torch's AdamW, one state
+    format); None for an optimizer the user passed to the trainer, or one whose package is missing."""
+    resolution = getattr(trainer.backend, "resolution", None)
+    if resolution is not None:
+        kind = (resolution.config.get("optimizer") or {}).get("type")
+        return f"{DEEPSPEED_OPTIMIZER}{kind}" if kind else None
+    if getattr(trainer, "user_optimizer", False):
+        return None
+    from transformers import Trainer
+
+    try:
+        kind, _ = Trainer.get_optimizer_cls_and_kwargs(trainer.args)
+    except Exception:  # noqa: BLE001 (a package some --optim needs is missing: the flag check names it)
+        return None
+    optim = getattr(trainer.args.optim, "value", trainer.args.optim)
+    return f"{kind.__name__} (--optim {optim})"
 
 
 @contextmanager

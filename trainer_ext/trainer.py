@@ -61,6 +61,8 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         if args is not None:
             self.backend.check(args)
         super().__init__(model, args, *positional, **kwargs)
+        # The user's own optimizer: --optim does not say which optimizer a checkpoint's state belongs to.
+        self.user_optimizer = self.optimizer is not None or kwargs.get("optimizer_cls_and_kwargs") is not None
         check_process_group(self.args)
         release_at_exit(self)
         self.loss_fn = loss_fn
@@ -417,6 +419,8 @@ class TrainingHooks(TrainerCallback):
         trainer.backend.on_train_begin(trainer)
         if trainer._resume is not None:
             trainer.checkpoints.continue_with_this_runs_settings(Path(trainer._resume["checkpoint"]))
+            if not args.auto_find_batch_size:  # the loaded state holds the checkpoint's batch; its next save this one's
+                state.train_batch_size = trainer._train_batch_size
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # transformers skips a resumed epoch's first batches through a wrapper that hides set_epoch from the sampler;

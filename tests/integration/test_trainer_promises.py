@@ -3,6 +3,7 @@ Trainer itself is the oracle where it applies. The same promises on 2 ranks are 
 
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -256,6 +257,37 @@ def test_a_weights_only_checkpoint_continues_only_when_asked(tmp_path, caplog):
     assert outcome.global_step == 4 and rates(continued)[3] == 5e-5 and rates(continued)[4] == 2.5e-5
     assert "--resume_weights_only: " in caplog.text and "the optimizer state starts anew" in caplog.text
     assert {path.name: path.read_bytes() for path in checkpoint.iterdir()} == written  # resumed from, not changed
+
+
+def test_another_optimizer_is_refused_before_it_reads_the_checkpoints_state(tmp_path, caplog):
+    """--optim adafactor on a checkpoint of AdamW loaded AdamW's state into Adafactor and failed at the first step with
+    a traceback; the fused and plain AdamW share one state format and resume each other."""
+    from trainer_ext.checkpoint import CheckpointError
+
+    flags = dict(save_steps=1)
+    trained(tmp_path / "run", max_steps=2, optim="adamw_torch_fused", **flags)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{checkpoint} holds the optimizer state of AdamW (--optim adamw_torch_fused), and this run trains with "
+            "Adafactor (--optim adafactor): to continue it, give --optim adamw_torch_fused, pass --resume_weights_only "
+            "to continue its weights and step 2 with a new Adafactor state, or --fresh_start to start over")):
+        trained(tmp_path / "run", resume=str(checkpoint), max_steps=3, optim="adafactor", **flags)
+    with caplog.at_level(logging.WARNING):
+        _, outcome = trained(tmp_path / "run", resume=str(checkpoint), max_steps=3, optim="adafactor",
+                             resume_weights_only=True, **flags)
+    assert outcome.global_step == 3 and "holds another optimizer's state" in caplog.text
+    _, outcome = trained(tmp_path / "run", resume=str(checkpoint), max_steps=3, optim="adamw_torch", **flags)
+    assert outcome.global_step == 3
+
+
+def test_a_resume_with_another_batch_size_reports_and_records_the_batch_it_trains(tmp_path, capsys):
+    """The resumed state held the checkpoint's batch size: the settings printed "batch 8 per device" for a run that
+    trained batches of 4, and its checkpoints recorded 8."""
+    trained(tmp_path / "run", max_steps=2)
+    continued, _ = trained(tmp_path / "run", max_steps=3, save_steps=1, per_device_train_batch_size=4)
+    assert "batch 4 per device x 1 accumulation x 1 ranks = 4 per step; 3 steps" in capsys.readouterr().out
+    assert continued.state.train_batch_size == 4
+    assert json.loads((tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_text())["train_batch_size"] == 4
 
 
 def test_a_checkpoint_without_its_random_state_resumes_and_says_so(tmp_path, caplog):

@@ -228,3 +228,22 @@ def get_block(config, section):
     from trainer_ext.deepspeed_config.fields import get_field
 
     return get_field(config, section) or {}
+
+
+def test_the_top_level_scalars_checked_are_deepspeeds_and_of_its_types(deepspeed_accepts):
+    """TOP_LEVEL_TYPES names fields DeepSpeed reads at the top level (its parser's defaults have the type the table
+    asks for), and a wrong type there is refused by ds-config and training alike."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from trainer_ext.backends.deepspeed import deepspeed_refusals
+    from trainer_ext.deepspeed_config.fields import read_field
+    from trainer_ext.deepspeed_config.keys import KNOWN_TOP_LEVEL_KEYS, TOP_LEVEL_TYPES
+
+    reader = DeepSpeedConfig.__new__(DeepSpeedConfig)
+    reader._initialize_params({})  # noqa: SLF001
+    for key, spec in TOP_LEVEL_TYPES.items():
+        assert key in KNOWN_TOP_LEVEL_KEYS
+        default = getattr(reader, key)
+        assert read_field(spec, default)[0] and isinstance(default, bool) == (spec.kind == "bool"), (key, default)
+        [problem] = deepspeed_refusals({key: "often"})
+        assert problem.startswith(f'{key}="often": must be ')

@@ -422,6 +422,9 @@ GLUE_CASES = {
                                  "has a header line ('sentence,label') but no rows"),
     "a column name in another case": ({"train.csv": "Sentence,Label\n" + "".join(f"s {i},{i % 2}\n" for i in range(8))},
                                       ["--do_train"], "(did you mean --text_column Sentence?)"),
+    "other column names": ({"train.jsonl": [{"text": f"s {i}", "stars": i % 2} for i in range(8)]}, ["--do_train"],
+                           "(did you mean --text_column text?)\n--label_column 'label': the training data has columns "
+                           "['text', 'stars'] (did you mean --label_column stars?)"),
     "no --do_train": ({"train.jsonl": sentences(16)}, [],
                       "nothing to do: give --do_train, --do_eval, --do_predict (one or more; --do_train to train)"),
 }
@@ -579,3 +582,13 @@ def test_a_run_that_would_build_an_op_says_so_and_build_ops_builds_them_ahead(tm
     assert ops.announce_builds(config) == []  # once per process
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")  # torch's own default folder, as torch computes it
     assert str(ops.build_folder("fused_adam")) == _get_build_directory("fused_adam", verbose=False)
+
+
+def test_an_experiment_file_indented_with_a_tab_is_one_line_with_the_fix(tmp_path, capsys):
+    """PyYAML's error spread over five lines with a caret and no fix."""
+    path = tmp_path / "exp.yaml"
+    path.write_text("task: classification\nhyperparameters:\n\tlearning_rate: 0.00005\n")
+    code, _, err = cli(capsys, "train", path, "--check")
+    assert code == 2 and err.splitlines()[0] == (
+        f"trainer-ext train: error: {path}: not valid YAML at line 3, column 1: found character '\\t' that cannot "
+        "start any token: YAML indents with spaces only, replace the tab")

@@ -542,8 +542,16 @@ def deepspeed_refusals(config: dict) -> list[str]:
     with deepspeed_imported():
         from deepspeed.runtime.config import DeepSpeedConfig
         from pydantic import ValidationError
+    from ..deepspeed_config.fields import read_field, requirement
+    from ..deepspeed_config.keys import TOP_LEVEL_TYPES
+
     problems = []
     for section, value in config.items():
+        spec = TOP_LEVEL_TYPES.get(section)
+        if spec is not None and value != "auto" and not read_field(spec, value)[0]:
+            problems.append(f"{section}={json.dumps(value)}: must be {requirement(spec)}, as DeepSpeed uses it (its "
+                            "parser passes it, its engine fails on it or reads it otherwise)")
+            continue
         # The parser's field readers without its batch checks (private: tests/unit/test_deepspeed_accepts.py checks it).
         reader = DeepSpeedConfig.__new__(DeepSpeedConfig)
         try:
@@ -555,7 +563,9 @@ def deepspeed_refusals(config: dict) -> list[str]:
                 shown = f"={json.dumps(error['input'], default=str)}" if error["loc"] else ""
                 problems.append(f"{where}{shown}: DeepSpeed refuses it: {message}")
         except Exception as err:  # noqa: BLE001 (DeepSpeed's readers raise assertions, ValueErrors, TypeErrors)
-            problems.append(f"{section}: DeepSpeed refuses it: {err}")
+            shown = json.dumps(value, default=str)
+            problems.append(f"{section}={shown if len(shown) <= 80 else shown[:77] + '...'}: DeepSpeed refuses it: "
+                            f"{err}")
     return problems
 
 

@@ -79,7 +79,7 @@ def read(source, folder=None) -> tuple[dict, str, Path | None]:
     try:
         values = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise ExperimentError(f"{path}: not valid YAML ({err})") from None
+        raise ExperimentError(yaml_problem(path, err)) from None
     if not isinstance(values, dict):
         raise ExperimentError(f"{path}: expected a mapping with sections {', '.join(SECTIONS)}")
     return values, str(path), Path(os.path.abspath(path)).parent
@@ -135,6 +135,15 @@ def run_experiment(source, argv: Sequence[str] = ()) -> dict:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
+def yaml_problem(path, err) -> str:
+    """PyYAML's error in one line: where (line, column), what, and for a tab the fix (YAML indents with spaces only)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    what = " ".join(str(getattr(err, "problem", None) or err).split())
+    hint = ": YAML indents with spaces only, replace the tab" if "'\\t'" in what else ""
+    return f"{path}: not valid YAML{where}: {what}{hint}"
+
+
 def _field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.init}
 

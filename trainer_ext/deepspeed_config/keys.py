@@ -139,6 +139,15 @@ _ZERO_COUNTS = ("allgather_bucket_size", "sub_group_size", "zero_hpz_partition_s
                 *(name for old in ("prefetch_bucket_size", "param_persistence_threshold",
                                    "model_persistence_threshold", "max_live_parameters", "max_reuse_distance")
                   for name in (old, f"stage3_{old}")))
+# Top-level scalars DeepSpeed reads without a model (get_scalar_param, no check) and uses as numbers or flags: a wrong
+# type passed its parser and failed in the engine (steps_per_print "often": a TypeError at the first step) or was
+# read as true ("nope" in an `if`).
+TOP_LEVEL_TYPES: dict[str, FieldType] = {
+    "steps_per_print": FieldType("int", low=0, low_open=True, nullable=True, bools=False),
+    "gradient_predivide_factor": FieldType("float", low=0, low_open=True, bools=False),
+    **dict.fromkeys(("wall_clock_breakdown", "memory_breakdown", "prescale_gradients", "dump_state",
+                     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"), BOOL),
+}
 # Every scalar field of the sections DeepSpeed 0.19 reads with its pydantic models (deepspeed/runtime/zero/config.py,
 # zero/offload_config.py, precision_config.py): checked before training, as DeepSpeed would check them once the model is
 # loaded. tests/integration/test_key_tables.py compares this with the models' fields, and

@@ -182,6 +182,22 @@ def check_head(config, labels: list[str], model_path, model_args) -> None:
                          "--model_kwargs '{\"ignore_mismatched_sizes\": true}', or check --label_column")
 
 
+def likely_column(dataset, flag: str) -> str | None:
+    """The one column that looks like the text (strings) or the labels (a usual name, else the one column of whole
+    numbers) when the named one is missing and no name is close: a file written with "text"/"labels"."""
+    from ..data.loader import text_columns
+
+    names = dataset.column_names
+    if flag == "--text_column":
+        found = text_columns(dataset)
+    else:
+        found = [name for name in names if name.lower() in ("label", "labels", "target", "class", "category", "y")]
+        found = found or [name for name, feature in dataset.features.items()
+                          if str(getattr(feature, "dtype", "")).startswith(("int", "uint")) or
+                          type(feature).__name__ == "ClassLabel"]
+    return found[0] if len(found) == 1 else None
+
+
 def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> dict:
     """Fine-tune and/or evaluate a classifier with ExtTrainer; returns the metrics.
 
@@ -206,12 +222,15 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
         if split not in raw:
             raise ArgumentsError(f"the data has no {split!r} split (it has {sorted(raw)})")
     if "train" in raw:
+        problems = []
         for column in (data_args.text_column, data_args.label_column):
             if column not in raw["train"].column_names:
                 flag = "--text_column" if column == data_args.text_column else "--label_column"
-                hint = closest(column, raw["train"].column_names)
-                raise ArgumentsError(f"{flag} {column!r}: the training data has columns {raw['train'].column_names}"
-                                     + (f" (did you mean {flag} {hint}?)" if hint else ""))
+                hint = closest(column, raw["train"].column_names) or likely_column(raw["train"], flag)
+                problems.append(f"{flag} {column!r}: the training data has columns {raw['train'].column_names}"
+                                + (f" (did you mean {flag} {hint}?)" if hint else ""))
+        if problems:
+            raise ArgumentsError("\n".join(problems))
     labels, unlabelled = checked_labels(raw, data_args, original)
     raw = datasets.DatasetDict({split: dataset.remove_columns(data_args.label_column) if split in unlabelled
                                 else dataset for split, dataset in raw.items()})
