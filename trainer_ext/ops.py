@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -19,6 +20,49 @@ BUILD_SECONDS = {"deepspeed_shm_comm": 131, "fused_adam": 257, "cpu_adam": 140}
 # ranks), FusedAdam (the default optimizer) and CPU Adam (offload_optimizer). Builders this accelerator lacks are skipped.
 DEFAULT_BUILDERS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder")
 _ANNOUNCED: set[str] = set()  # ops this process has said it builds
+
+
+@contextmanager
+def deepspeed_imported():
+    """Import DeepSpeed's modules inside without its "Setting accelerator to CPU" warning on a machine without a GPU
+    (DS_ACCELERATOR=cpu for the import only; the DeepSpeed backend's prepare_environment sets the same choice for the
+    run itself), and with the environment variables as they were after a first import (checking a config is not a
+    run: tests/integration/test_args.py compares the process with stock arguments')."""
+    from .runtime import accelerator_available
+
+    first = "deepspeed" not in sys.modules
+    before = dict(os.environ)
+    if first and "DS_ACCELERATOR" not in os.environ and not accelerator_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        yield
+    finally:
+        if first:  # DeepSpeed's import sets variables too (PYTORCH_NVML_BASED_CUDA_CHECK): the process as it was
+            for name in set(os.environ) - set(before):
+                if name != "DS_ACCELERATOR":
+                    _TAKEN_BACK[name] = os.environ[name]
+                del os.environ[name]
+            os.environ.update({name: value for name, value in before.items() if os.environ.get(name) != value})
+
+
+_TAKEN_BACK: dict[str, str] = {}  # what DeepSpeed's import set and deepspeed_imported took back
+
+
+def restore_import_environment() -> None:
+    """For a run (process set-up, not a config check): the variables DeepSpeed's own import sets, where a config check
+    imported it first and took them back, so the run sees what DeepSpeed arranged (unless the user set them)."""
+    for name, value in _TAKEN_BACK.items():
+        os.environ.setdefault(name, value)
+
+
+def op_buildable(builder_name: str) -> bool:
+    """Whether DeepSpeed has this op prebuilt or can build it here (its builder's own compatibility check)."""
+    with deepspeed_imported():
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+
+    builder = get_accelerator().create_op_builder(builder_name)
+    return builder is not None and (installed_ops.get(builder.NAME, False) or builder.is_compatible(verbose=False))
 
 
 def build_folder(name: str) -> Path:
@@ -65,8 +109,6 @@ def needed_builders(config: dict, cpu_accelerator: bool) -> list[str]:
 def op_builders(names) -> list:
     """DeepSpeed's builders of these names for this machine's accelerator, less those it has none of or that DeepSpeed
     installed prebuilt (it then loads them without building)."""
-    from .backends.deepspeed import deepspeed_imported
-
     with deepspeed_imported():
         from deepspeed.accelerator import get_accelerator
         from deepspeed.git_version_info import installed_ops
@@ -94,8 +136,6 @@ def is_built(builder) -> bool:
 
 
 def cpu_accelerator() -> bool:
-    from .backends.deepspeed import deepspeed_imported
-
     with deepspeed_imported():
         from deepspeed.accelerator import get_accelerator
     return get_accelerator().device_name() == "cpu"

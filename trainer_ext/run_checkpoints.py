@@ -150,16 +150,18 @@ class RunCheckpoints(TrainerCallback):
             written = json.loads((checkpoint / MARKER).read_text()).get("optimizer")
         except (OSError, ValueError):
             return None
-        now = optimizer_name(self.trainer)
-        if not written or not now or written.split(" (")[0] == now.split(" (")[0]:  # one class, one state format
+        now = optimizer_record(self.trainer)
+        if not isinstance(written, dict) or not now or written.get("state") == now["state"]:  # one state format
             return None
-        deepspeed = now.startswith(DEEPSPEED_OPTIMIZER)
-        back = (f"set the DeepSpeed file's optimizer.type back to {written.removeprefix(DEEPSPEED_OPTIMIZER)}"
-                if deepspeed else f"give {written.partition('(')[2].rstrip(')')}")
-        weights = "" if deepspeed else f", pass --resume_weights_only to continue its weights and step {step} with a " \
-                                       f"new {now.split(' (')[0]} state"
-        return (f"{checkpoint} holds the optimizer state of {written}, and this run trains with {now}: to continue "
-                f"it, {back}{weights}, or --fresh_start to start over")
+        if now["state"].startswith(DEEPSPEED_OPTIMIZER):
+            back, weights = f"set the DeepSpeed file's optimizer.type back to {written.get('type')}", ""
+        else:
+            back = f"give --optim {written.get('optim')}"
+            weights = (f", pass --resume_weights_only to continue its weights and step {step} with a new "
+                       f"{now['name']} state")
+        return (f"{checkpoint} holds the optimizer state of {written.get('name')} ({written.get('given')}), and this run "
+                f"trains with {now['name']} ({now['given']}): to continue it, {back}{weights}, or --fresh_start to "
+                "start over")
 
     def continue_with_this_runs_settings(self, checkpoint: Path) -> None:
         """After a resume loaded the optimizer and scheduler (transformers', or the engine's): the optimizer's
@@ -303,7 +305,7 @@ class RunCheckpoints(TrainerCallback):
         module = trainer.backend.unwrap(trainer.accelerator.unwrap_model(trainer.model))
         final = publish(staged, run_dir, {"step": state.global_step, "world_size": self.args.world_size,
                                           "backend": trainer.backend.describe(), "backend_name": trainer.backend.name,
-                                          "optimizer": optimizer_name(trainer),
+                                          "optimizer": optimizer_record(trainer),
                                           "model": trainer.backend.model_fingerprint(module)})
         deleted = rotate(run_dir, checkpoints_to_keep(self.args.save_total_limit),
                          keep=Path(state.best_model_checkpoint) if state.best_model_checkpoint else None)
@@ -334,17 +336,28 @@ class RunCheckpoints(TrainerCallback):
             self.remote.wait()
 
 
-DEEPSPEED_OPTIMIZER = "DeepSpeed's "
+DEEPSPEED_OPTIMIZER = "deepspeed:"
 
 
-def optimizer_name(trainer) -> str | None:
-    """The optimizer whose state a checkpoint of this run holds, known before it is built: DeepSpeed's optimizer.type,
-    else the class transformers builds for --optim (adamw_torch and adamw_torch_fused alike: torch's AdamW, one state
-    format); None for an optimizer the user passed to the trainer, or one whose package is missing."""
+# DeepSpeed's optimizer types that build one optimizer, whose state reads the same (its FusedAdam / CPU Adam in either
+# mode: adam_w_mode is a setting, not another state).
+DEEPSPEED_SAME_STATE = {"adamw": "adam"}
+
+
+def optimizer_record(trainer) -> dict | None:
+    """Which optimizer's state a checkpoint of this run holds, known before the optimizer is built: {"state": what
+    must match to resume it, "name": its name for a message, "given": how it was chosen, "optim" or "type": the value to
+    give back}. DeepSpeed's optimizer.type (Adam and AdamW alike); else the class transformers builds for --optim
+    (adamw_torch and adamw_torch_fused alike: torch's AdamW, one state format). None for an optimizer the user passed
+    to the trainer, or one whose package is missing."""
     resolution = getattr(trainer.backend, "resolution", None)
     if resolution is not None:
         kind = (resolution.config.get("optimizer") or {}).get("type")
-        return f"{DEEPSPEED_OPTIMIZER}{kind}" if kind else None
+        if not kind:
+            return None
+        family = DEEPSPEED_SAME_STATE.get(str(kind).lower(), str(kind).lower())
+        return {"state": f"{DEEPSPEED_OPTIMIZER}{family}", "name": f"DeepSpeed's {kind}",
+                "given": f"optimizer.type {kind}", "type": kind}
     if getattr(trainer, "user_optimizer", False):
         return None
     from transformers import Trainer
@@ -354,7 +367,8 @@ def optimizer_name(trainer) -> str | None:
     except Exception:  # noqa: BLE001 (a package some --optim needs is missing: the flag check names it)
         return None
     optim = getattr(trainer.args.optim, "value", trainer.args.optim)
-    return f"{kind.__name__} (--optim {optim})"
+    return {"state": f"{kind.__module__}.{kind.__qualname__}", "name": kind.__name__, "given": f"--optim {optim}",
+            "optim": optim}
 
 
 @contextmanager

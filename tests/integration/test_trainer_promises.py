@@ -278,6 +278,16 @@ def test_another_optimizer_is_refused_before_it_reads_the_checkpoints_state(tmp_
     assert outcome.global_step == 3 and "holds another optimizer's state" in caplog.text
     _, outcome = trained(tmp_path / "run", resume=str(checkpoint), max_steps=3, optim="adamw_torch", **flags)
     assert outcome.global_step == 3
+    # DeepSpeed: its optimizer.type, Adam and AdamW one state (FusedAdam in either mode)
+    from types import SimpleNamespace
+
+    from trainer_ext.run_checkpoints import optimizer_record
+
+    def record(kind):
+        return optimizer_record(SimpleNamespace(backend=SimpleNamespace(resolution=SimpleNamespace(
+            config={"optimizer": {"type": kind}}))))
+
+    assert record("Adam")["state"] == record("AdamW")["state"] != record("Lamb")["state"]
 
 
 def test_a_resume_with_another_batch_size_reports_and_records_the_batch_it_trains(tmp_path, capsys):

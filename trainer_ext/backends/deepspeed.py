@@ -44,10 +44,12 @@ class DeepSpeedBackend(Backend):
         unwarned."""
         import os
 
+        from ..ops import restore_import_environment
         from ..runtime import accelerator_available
 
         if "DS_ACCELERATOR" not in os.environ and not accelerator_available():
             os.environ["DS_ACCELERATOR"] = "cpu"
+        restore_import_environment()  # what DeepSpeed's import set, where a config check imported it first
 
     @classmethod
     def prepare_arguments(cls, args) -> None:
@@ -173,8 +175,9 @@ class DeepSpeedBackend(Backend):
         elif "load_universal" in self.resolution.config.get("checkpoint", {}):
             del self.resolution.config["checkpoint"]["load_universal"]
         if trainer.is_world_process_zero():  # its notes are said once, with the run's settings (settings_lines)
-            logger.warning("DeepSpeed config (resolved for %d ranks, %d steps):\n%s", args.world_size,
-                           num_training_steps, json.dumps(self.resolution.config, indent=2))
+            logger.warning("DeepSpeed config (resolved for %d rank%s, %d steps):\n%s", args.world_size,
+                           "" if args.world_size == 1 else "s", num_training_steps,
+                           json.dumps(self.resolution.config, indent=2))
         return self.resolution.config
 
     def _reshard_if_world_size_changed(self, trainer, checkpoint: Path) -> bool:
@@ -481,6 +484,7 @@ def nvme_problems(config: dict) -> list[str]:
     import socket
 
     from ..deepspeed_config.passes import nvme_offloads
+    from ..ops import op_buildable
 
     offloads = [(field, path) for field, path in nvme_offloads(config) if isinstance(path, str) and path]
     problems = []
@@ -495,7 +499,7 @@ def nvme_problems(config: dict) -> list[str]:
         else:
             continue
         problems.append(f"{field}={path}: {why}; or offload to \"cpu\"")
-    if offloads and not deepspeed_op_buildable("AsyncIOBuilder"):
+    if offloads and not op_buildable("AsyncIOBuilder"):
         block = offloads[0][0].rpartition(".")[0]
         problems.append(f"{block}.device \"nvme\": ZeRO-3 swaps through DeepSpeed's async_io op, which "
                         "cannot be built on this machine (libaio is missing: apt install libaio-dev, or "
@@ -503,39 +507,13 @@ def nvme_problems(config: dict) -> list[str]:
     return problems
 
 
-def deepspeed_op_buildable(builder_name: str) -> bool:
-    """Whether DeepSpeed has this op prebuilt or can build it here (its builder's own compatibility check)."""
-    with deepspeed_imported():
-        from deepspeed.accelerator import get_accelerator
-        from deepspeed.git_version_info import installed_ops
-
-    builder = get_accelerator().create_op_builder(builder_name)
-    return builder is not None and (installed_ops.get(builder.NAME, False) or builder.is_compatible(verbose=False))
-
-
-@contextmanager
-def deepspeed_imported():
-    """Import DeepSpeed's modules inside without its "Setting accelerator to CPU" warning on a machine without a GPU:
-    DS_ACCELERATOR=cpu for the import only (prepare_environment sets the same choice for the run itself)."""
-    import os
-
-    from ..runtime import accelerator_available
-
-    quiet = "deepspeed" not in sys.modules and "DS_ACCELERATOR" not in os.environ and not accelerator_available()
-    if quiet:
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    try:
-        yield
-    finally:
-        if quiet:
-            del os.environ["DS_ACCELERATOR"]
-
-
 def deepspeed_refusals(config: dict) -> list[str]:
     """What DeepSpeed's config parser refuses in each top-level section of `config`, one line per problem ([] where
     DeepSpeed is not installed). Each section is read alone by the code DeepSpeedConfig runs on the whole file
     (_initialize_params, its pydantic models among it), so one section's problem does not hide another's."""
     import importlib.util
+
+    from ..ops import deepspeed_imported
 
     if importlib.util.find_spec("deepspeed") is None:
         return []
