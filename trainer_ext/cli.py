@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         from .errors import closest
 
-        hint = closest(command, COMMANDS)
+        hint = closest(command, [*COMMANDS, "--version"])
         print(f"trainer-ext: error: unknown command {command!r}" + (f", did you mean {hint!r}?" if hint else "")
               + f"\n{USAGE}", file=sys.stderr)
         return 2

@@ -380,6 +380,8 @@ def test_version_names_what_a_bug_report_needs(capsys):
     assert out[0].startswith(f"trainer_ext {__version__} (") and out[1].startswith("python ")
     assert f"torch {version('torch')}" in out and f"transformers {version('transformers')}" in out
     assert any(line.startswith("deepspeed ") for line in out) and any(line.startswith("fairscale ") for line in out)
+    assert main(["--verison"]) == 2
+    assert "unknown command '--verison', did you mean '--version'?" in capsys.readouterr().err
 
 
 def test_plan_refuses_counts_and_sizes_that_plan_nothing(capsys):

@@ -57,30 +57,24 @@ def override_format_problems(text: str | None) -> list[str]:
     return []
 
 
+# What a value must be, in --config_overrides' words, by the type of the config field's current value.
+OVERRIDE_WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "text"}
+
+
 def _override_value(key: str, old, text: str):
-    """`text` as the type of the config's current value (transformers' update_from_string rules; a field that is None
-    takes a number, true/false or a string as written). Raises ValueError naming what was expected."""
-    if isinstance(old, bool) or (old is None and text.lower() in ("true", "false")):
-        words = {"true": True, "1": True, "yes": True, "y": True, "false": False, "0": False, "no": False, "n": False}
-        if text.lower() not in words:
-            raise ValueError("true or false")
-        return words[text.lower()]
-    if isinstance(old, int) or old is None:
-        try:
-            return int(text)
-        except ValueError:
-            if isinstance(old, int):
-                raise ValueError("a whole number") from None
-    if isinstance(old, float) or old is None:
-        try:
-            return float(text)
-        except ValueError:
-            if isinstance(old, float):
-                raise ValueError("a number") from None
-    if isinstance(old, str) or old is None:
-        return text
-    raise ValueError(f"a {type(old).__name__}, which --config_overrides cannot write: give it in --config_kwargs "
-                     f"as JSON, e.g. '{{\"{key}\": {json.dumps(old)}}}'")
+    """`text` read as the type of the config's current value, as a flag would be (config/values.py; a field that is
+    None takes a number, true/false or text as written). Raises ValueError naming what was expected."""
+    from typing import Union
+
+    from ..config.values import WrongType, read_as
+
+    if old is not None and type(old) not in OVERRIDE_WORDS:
+        raise ValueError(f"a {type(old).__name__}, which --config_overrides cannot write: give it in --config_kwargs "
+                         f"as JSON, e.g. '{{\"{key}\": {json.dumps(old)}}}'")
+    try:
+        return read_as(text, type(old) if old is not None else Union[int, float, bool, str])
+    except WrongType:
+        raise ValueError(OVERRIDE_WORDS[type(old)]) from None
 
 
 def apply_config_overrides(config, text: str | None) -> None:
