@@ -7,6 +7,9 @@ launcher started it; each rank writes `<--report_dir>/rank<R>.json` (benchmarks/
 
 `--model_config bert-large-qa` (or `tiny-qa`) trains a BERT extractive-QA model built from that shape on seeded random
 token ids instead: no model package and no network, for GPU machines that have only the repository (benchmarks/gpu.py).
+`--model_config llama-1b` (or `tiny-llama`) trains a LlamaForCausalLM built from that shape on seeded random samples
+packed into rows of --max_seq_length (RandomPackedLM: positions restart at each sample, no attention mask), with
+`--attn_implementation` (default flash_attention_2 where flash-attn is installed and CUDA is there, else sdpa).
 `--model_dir DIR` loads a BERT QA model saved there (`save_pretrained`) with `from_pretrained`, on the same random ids:
 each rank's report then says how many parameter bytes it held at most while loading (`load_peak_params_bytes`).
 `--profile_steps 6-8` writes a torch.profiler table of those steps to <--report_dir>/profile_rank<R>.txt.
@@ -32,6 +35,14 @@ SHAPES = {
                           intermediate_size=4096),
     "tiny-qa": dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
 }
+# Llama shapes built from a config (untied embeddings, grouped-query attention, SwiGLU, no dropout) for the causal-LM
+# rows; llama-1b has 1,104,218,112 parameters.
+CAUSAL_LM_SHAPES = {
+    "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048),
+    "tiny-llama": dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048),
+}
 
 
 class RandomQA:
@@ -51,6 +62,73 @@ class RandomQA:
         start = int(torch.randint(0, self.seq_length - 16, (1,), generator=generator))
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "start_positions": start,
                 "end_positions": start + int(torch.randint(0, 16, (1,), generator=generator))}
+
+
+class RandomPackedLM:
+    """Seeded random samples packed into rows of exactly `seq_length` tokens, as packing for SFT lays them out: each
+    sample's length drawn from `sample_lengths` (min, max; the row's last sample cut to fill it), its positions
+    restarting at 0 and its first token unlabelled (-100), so that no sample attends to or learns from another. No
+    attention mask: transformers builds each sample's causal mask from the position ids (sdpa, eager), and flash
+    attention reads the boundaries from them in a flattened batch. Row i is the same on every run, rank and backend;
+    every position is a real token."""
+
+    def __init__(self, size: int, seq_length: int, vocab_size: int, sample_lengths: tuple[int, int] = (64, 1024)):
+        self.size, self.seq_length, self.vocab_size = size, seq_length, vocab_size
+        self.sample_lengths = sample_lengths
+
+    def __len__(self):
+        return self.size
+
+    def lengths(self, index: int) -> list[int]:
+        """The sample lengths of row `index` (pure python: the parent of a benchmark reads them without torch)."""
+        import random
+
+        draw, lengths = random.Random(index), []
+        while sum(lengths) < self.seq_length:
+            lengths.append(min(draw.randint(*self.sample_lengths), self.seq_length - sum(lengths)))
+        return lengths
+
+    def attention_lengths(self) -> dict:
+        """Over every row: tokens (sum of the sample lengths) and the sum of their squares, for attention FLOPs."""
+        lengths = [n for index in range(self.size) for n in self.lengths(index)]
+        return {"tokens": sum(lengths), "squared": sum(n * n for n in lengths), "samples": len(lengths)}
+
+    def __getitem__(self, index):
+        import torch
+
+        generator = torch.Generator().manual_seed(index)
+        ids = torch.randint(1, self.vocab_size, (self.seq_length,), generator=generator)
+        positions = torch.cat([torch.arange(n) for n in self.lengths(index)])
+        labels = ids.clone()
+        labels[positions == 0] = -100
+        return {"input_ids": ids, "labels": labels, "position_ids": positions}
+
+
+def flattened_rows(features: list[dict]) -> dict:
+    """Rows stacked into one of batch size 1 (flash attention sees packed samples' boundaries only there)."""
+    import torch
+
+    return {key: torch.cat([f[key] for f in features]).unsqueeze(0) for key in features[0]}
+
+
+def default_attention() -> str:
+    import importlib.util
+
+    import torch
+
+    return "flash_attention_2" if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") else "sdpa"
+
+
+def causal_lm_from_config(shape: str, args, attn_implementation: str):
+    """The Llama of this shape (fp32 weights: --bf16 trains under autocast, as full fine-tunes do), built on the GPU,
+    no cache (a cache would also hide packed samples' boundaries from the mask)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**CAUSAL_LM_SHAPES[shape], tie_word_embeddings=False, use_cache=False,
+                         attn_implementation=attn_implementation)
+    with torch.device(args.device if torch.cuda.is_available() else "cpu"):
+        return LlamaForCausalLM(config)
 
 
 def model_from_config(shape: str, args):
@@ -127,9 +205,14 @@ def main():
     own.add_argument("--max_train_samples", type=int, default=2400)
     own.add_argument("--measure_step", type=int, default=2, help="step whose gradients and optimizer state are counted")
     what = own.add_mutually_exclusive_group()
-    what.add_argument("--model_config", choices=sorted(SHAPES), help="a BERT QA model of this shape on random ids")
+    what.add_argument("--model_config", choices=sorted(SHAPES) + sorted(CAUSAL_LM_SHAPES),
+                      help="a BERT QA model (or a Llama causal LM) of this shape on random ids")
     what.add_argument("--model_dir", help="a saved BERT QA model folder, loaded with from_pretrained, on random ids")
     own.add_argument("--profile_steps", help="e.g. 6-8: torch.profiler table of those steps in --report_dir")
+    own.add_argument("--attn_implementation", help="causal LM shapes: sdpa, eager, flash_attention_2 (default: "
+                                                   "flash_attention_2 where flash-attn is installed, else sdpa)")
+    own.add_argument("--sample_lengths", type=int, nargs=2, default=(64, 1024), metavar=("MIN", "MAX"),
+                     help="causal LM shapes: each packed sample's length is drawn from MIN..MAX")
     mine, rest = own.parse_known_args()
 
     import transformers
@@ -151,7 +234,15 @@ def main():
     set_seed(args.seed)  # the same weights (or classifier head) on every backend
     report = ModelStateReport(mine.report_dir, mine.measure_step)
     samples = args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    if mine.model_config:
+    collator = None
+    if mine.model_config in CAUSAL_LM_SHAPES:
+        attention = mine.attn_implementation or default_attention()
+        model = causal_lm_from_config(mine.model_config, args, attention)
+        train = RandomPackedLM(samples, mine.max_seq_length, CAUSAL_LM_SHAPES[mine.model_config]["vocab_size"],
+                               tuple(mine.sample_lengths))
+        collator = flattened_rows if attention.startswith("flash") else None
+        report.record.update(attn_implementation=attention, packed=train.attention_lengths())
+    elif mine.model_config:
         model = model_from_config(mine.model_config, args)
         train = RandomQA(samples, mine.max_seq_length, SHAPES[mine.model_config]["vocab_size"])
     elif mine.model_dir:
@@ -176,7 +267,7 @@ def main():
     callbacks = [report]
     if mine.profile_steps:
         callbacks.append(Profile(mine.profile_steps, mine.report_dir).callback())
-    trainer = trainer_class(model=model, args=args, train_dataset=train, callbacks=callbacks)
+    trainer = trainer_class(model=model, args=args, train_dataset=train, callbacks=callbacks, data_collator=collator)
     trainer.train()
 
 

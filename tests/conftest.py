@@ -581,8 +581,7 @@ def trl_runs():
     single = ["single", "--stock", *TRL, "--per_device_train_batch_size", 8, "--per_device_eval_batch_size", 8]
     return SharedRuns("trl", {
         "stock": single, "stock_lora": [*single, "--lora"],
-        "ddp": on_ranks("ddp", 3), "fsdp2": on_ranks("fsdp2", 4), "simple": on_ranks("simple", 5),
-        "zero2": on_ranks("zero2", 6), "zero3_lora": on_ranks("zero3", 4, "--lora"),
+        "fsdp2": on_ranks("fsdp2", 3), "zero2": on_ranks("zero2", 6), "zero3_lora": on_ranks("zero3", 4, "--lora"),
     }, script=TINY_LLM)
 
 

@@ -22,6 +22,8 @@ commands:
                                  [--keep_checkpoints] [--check] [--FIELD VALUE ...]   (flags: every trial)
   build-ops   build DeepSpeed's ops ahead of the first run (once per environment; minutes each)
               trainer-ext build-ops
+  merge       fold a LoRA adapter (a run's output or checkpoint) into its base model: a plain model folder
+              trainer-ext merge ADAPTER_DIR --output_dir DIR [--base_model PATH] [--dtype float32|bfloat16|float16]
   plan        predict per-rank memory of every backend and name the cheapest that fits a device
               trainer-ext plan --model PATH|--num_parameters N --world_size N [--fp16|--bf16] [--offload]
                                [--per_device_train_batch_size N] [--max_seq_length N (packed length)]
@@ -310,7 +312,26 @@ def build_ops(argv: list[str]) -> int:
     return build()
 
 
-COMMANDS = {"build-ops": build_ops, "ds-config": ds_config, "plan": plan, "search": search, "train": train}
+def merge(argv: list[str]) -> int:
+    import argparse
+
+    from .merge import DTYPES, merge_adapter
+
+    parser = argparse.ArgumentParser(prog="trainer-ext merge", allow_abbrev=False,
+                                     description="Fold a LoRA adapter into its base model's weights and save a plain "
+                                                 "model folder (no peft needed to load it).")
+    parser.add_argument("adapter_dir", help="a LoRA run's output_dir or one of its checkpoint-N folders")
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--base_model", help="default: adapter_config.json's base_model_name_or_path")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    args = parser.parse_args(argv)
+    out = merge_adapter(args.adapter_dir, args.output_dir, args.base_model, args.dtype)
+    print(f"trainer-ext merge: {args.adapter_dir} merged into its base model: {out}")
+    return 0
+
+
+COMMANDS = {"build-ops": build_ops, "ds-config": ds_config, "merge": merge, "plan": plan, "search": search,
+            "train": train}
 
 
 def search_as_checked(settings) -> str:

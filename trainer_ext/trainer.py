@@ -125,7 +125,10 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         read: a loss that divides by it is normalised by every rank's targets (kept, as transformers scales it); one
         that never reads it is a per-batch mean, which transformers multiplied by the world size (undone, and later
         steps pass no count). No forward of its own: under ZeRO-3 a forward outside the engine cannot run."""
-        loss, outputs = super().compute_loss(model, inputs, True, NumItemsProbe.of(num_items_in_batch))
+        # Under --torch_compile the probe's step runs the module torch.compile wrapped (`_orig_mod`, eagerly): traced
+        # with the probe, the graph would be compiled twice (the probe, then plain tensors), minutes on a CPU.
+        eager = getattr(model, "_orig_mod", model)
+        loss, outputs = super().compute_loss(eager, inputs, True, NumItemsProbe.of(num_items_in_batch))
         self._model_uses_num_items = self._on_every_rank(NumItemsProbe.read)
         if self._model_uses_num_items:
             self.loss_is_scaled_for_ga = None

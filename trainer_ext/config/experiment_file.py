@@ -19,6 +19,7 @@ TASKS = {
     "classification": "trainer_ext.tasks.classification",
     "qa": "trainer_ext.tasks.qa",
     "translation": "trainer_ext.tasks.translation",
+    "causal_lm": "trainer_ext.tasks.causal_lm",
 }
 # Tasks whose recipe needs more than ExtTrainingArguments (generation settings).
 TRAINING_ARGUMENTS = {"translation": ("trainer_ext.seq2seq", "ExtSeq2SeqTrainingArguments")}
@@ -32,11 +33,11 @@ SCHEDULER_FIELDS = {"type": "lr_scheduler_type", "warmup_steps": "warmup_steps",
 # Fields typed str for the command line (JSON, comma lists) that also take YAML's structured values.
 TYPES = {"config_kwargs": dict | str | None, "tokenizer_kwargs": dict | str | None, "model_kwargs": dict | str | None,
          "checkpoint_storage_options": dict | str | None, "class_weights": list[float] | str | None,
-         "resume_from_checkpoint": str | Literal[True] | None}
+         "resume_from_checkpoint": str | Literal[True] | None, "lora_target_modules": list[str] | str | None}
 # Fields that hold a path: a relative one is relative to the experiment file's folder (cache_dir: in the
 # config/tokenizer/model keyword arguments; logging_dir: transformers 4).
-PATH_FIELDS = ("train_file", "validation_file", "test_file", "output_dir", "logging_dir", "resume_from_checkpoint",
-               "checkpoint_uri", "checkpoint_dir", "fsdp_config", "accelerator_config", "cache_dir")
+PATH_FIELDS = ("train_file", "validation_file", "test_file", "chat_template", "output_dir", "logging_dir",
+               "resume_from_checkpoint", "checkpoint_uri", "checkpoint_dir", "fsdp_config", "accelerator_config", "cache_dir")
 # Fields that hold a name (Hub model or dataset, DeepSpeed preset) or a path: the path beside the file when there is
 # one there (or the value starts with ./ or ../), else the name as written.
 NAME_OR_PATH_FIELDS = ("model_name_or_path", "tokenizer_name", "dataset_name", "deepspeed", "generation_config")

@@ -1,0 +1,457 @@
+"""Causal-LM fine-tuning (SFT): JSON lines of chat `messages`, `prompt`/`completion` or plain `text` -> a fine-tuned
+decoder (full, or LoRA adapters through peft), with completion-only loss, packing, and evaluation loss, perplexity and
+next-token accuracy on the target tokens. With no --model_name_or_path: a tiny Llama built from a config, with a
+byte-level tokenizer built offline (written once to the cache folder and loaded from there like any model folder)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ArgumentsError, MissingLibraryError
+from .common import REPO
+from .common import ModelArguments as CommonModelArguments
+from .common import check_sample_limits, nearby, with_channels
+
+logger = logging.getLogger(__name__)
+
+SHIPPED_DATA = REPO / "data" / "causal_lm"
+EVAL_METRICS = ("loss", "token_accuracy")  # evaluation also reports perplexity (exp of the loss), after it
+SPLITS = ("train", "validation")
+TINY_LLAMA = "tiny-llama-bytes-v1"  # the default model's cache folder name: change it whenever the model changes
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# transformers builds each packed sample's own causal mask from the position ids for these (flash attention: from
+# one flattened row); any other implementation would let the samples of a row attend to each other.
+PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+__all__ = ["ModelArguments", "DataArguments", "run"]
+
+
+@dataclass
+class ModelArguments(CommonModelArguments):
+    model_name_or_path: str | None = field(default=None, metadata={
+        "help": "A causal LM folder (or a Hub name when online); default: a tiny Llama built from a config with a "
+                "byte-level tokenizer (offline)."})
+    attn_implementation: str | None = field(default=None, metadata={
+        "help": "sdpa, eager, flash_attention_2, flex_attention, ...; default: the model's."})
+    lora_r: int | None = field(default=None, metadata={"help": "Train LoRA adapters of this rank (peft); the base "
+                                                                "model frozen. Unset: a full fine-tune."})
+    lora_alpha: float | None = field(default=None, metadata={"help": "LoRA scaling numerator; default 2 x --lora_r."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the adapters' input (default 0)."})
+    lora_target_modules: str | None = field(default=None, metadata={
+        "help": "Comma-separated module names (q_proj,v_proj) or all-linear; default: peft's for the model family."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.lora_target_modules, (list, tuple)):  # an experiment file's YAML list
+            self.lora_target_modules = ",".join(map(str, self.lora_target_modules))
+        lora = ("lora_alpha", "lora_target_modules") if self.lora_r is None else ()
+        given = [f"--{name}" for name in lora if getattr(self, name) is not None] + (
+            ["--lora_dropout"] if self.lora_r is None and self.lora_dropout else [])
+        if given:
+            raise ArgumentsError(f"{', '.join(given)} describe LoRA adapters, and --lora_r is not given: add --lora_r "
+                                 "(e.g. 16) to train adapters, or drop them for a full fine-tune")
+        if self.lora_r is not None and self.lora_r < 1:
+            raise ArgumentsError(f"--lora_r {self.lora_r}: the adapters' rank must be a positive integer, e.g. 16")
+        if not 0 <= self.lora_dropout < 1:
+            raise ArgumentsError(f"--lora_dropout {self.lora_dropout}: a probability from 0 to below 1, e.g. 0.05")
+        if self.lora_r is not None:
+            from importlib.util import find_spec
+
+            if find_spec("peft") is None:
+                raise MissingLibraryError("--lora_r needs peft, which is not installed: pip install \"trainer_ext[llm]\" "
+                                          "(or pip install peft)")
+
+
+@dataclass
+class DataArguments:
+    train_file: str | None = field(default=None, metadata={
+        "help": "JSON lines of {\"messages\": [{\"role\", \"content\"}, ...]}, {\"prompt\", \"completion\"} or "
+                "{\"text\"}; default: data/causal_lm/train.jsonl."})
+    validation_file: str | None = field(default=None)
+    max_seq_length: int = field(default=512, metadata={"help": "Tokens per sample (longer ones are cut, counted and "
+                                                               "said once) and per packed row."})
+    packing: bool = field(default=False, metadata={"help": "Pack several training samples into each row of "
+                                                           "--max_seq_length (positions restart per sample)."})
+    completion_only_loss: bool | None = field(default=None, metadata={
+        "help": "Labels on the assistant's / completion's tokens only; default: true for messages and "
+                "prompt/completion data (text rows are trained whole)."})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "A Jinja chat template file for messages data; default: the tokenizer's (ChatML when it has none)."})
+    pad_to_multiple_of: int | None = field(default=None, metadata={
+        "help": "Pad each batch's length up to a multiple of this; with --torch_compile and no --packing every batch "
+                "is padded to --max_seq_length unless this is given."})
+    max_train_samples: int | None = field(default=None)
+    max_eval_samples: int | None = field(default=None)
+    preprocessing_num_workers: int | None = field(default=None)
+    overwrite_cache: bool = field(default=False, metadata={"help": "Tokenize again instead of using the cache."})
+    evaluate_before_training: bool = field(default=False, metadata={"help": "Report validation metrics first."})
+
+    def __post_init__(self):
+        check_sample_limits(self)
+        if self.max_seq_length < 2:
+            raise ArgumentsError(f"--max_seq_length {self.max_seq_length}: a causal LM needs at least 2 tokens per "
+                                 "sample (e.g. 512, 2048)")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ArgumentsError(f"--pad_to_multiple_of {self.pad_to_multiple_of}: give a positive number (e.g. 64)")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ArgumentsError(f"--chat_template {self.chat_template}: no such file{nearby(self.chat_template)} "
+                                 "(give a Jinja template file)")
+        folders = [f"--{split}_file {path}" for split, path in self.given().items() if path and Path(path).is_dir()]
+        if folders:
+            raise ArgumentsError(f"{', '.join(folders)}: a folder, not a file (give the JSON lines file itself)")
+        missing = [f"--{split}_file {path}{nearby(path)}" for split, path in self.given().items()
+                   if path and not Path(path).is_file()]
+        if missing:
+            raise ArgumentsError(f"no such data file: {', '.join(missing)}")
+
+    def given(self) -> dict:
+        return with_channels({"train": self.train_file, "validation": self.validation_file}, (".jsonl", ".json"))
+
+    def files(self, training_args) -> dict[str, str]:
+        """The files this run reads: the user's, or all shipped ones when none is given."""
+        from .common import check_needed_splits, needed_splits, shipped_data_note
+
+        given = {split: path for split, path in self.given().items() if path}
+        needed = needed_splits(self, training_args)
+        if not given:
+            shipped_data_note(SHIPPED_DATA)
+            return {split: str(SHIPPED_DATA / f"{split}.jsonl") for split in SPLITS if needed[split]}
+        check_needed_splits({split: flag for split, flag in needed.items() if split in SPLITS}, given)
+        if needed.get("test"):
+            raise ArgumentsError("--do_predict: this recipe evaluates the validation set (--do_eval); drop "
+                                 "--do_predict")
+        return {split: path for split, path in given.items() if needed[split]}
+
+
+# -- the default model ----------------------------------------------------------------------------------------------
+def cache_folder() -> Path:
+    return Path(os.environ.get("TRAINER_EXT_CACHE") or Path.home() / ".cache" / "trainer_ext")
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer built without any download: the 256 bytes, then <pad>, <s>, </s>, <|im_start|>,
+    <|im_end|>; a ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {**{token: i for i, token in enumerate(specials)},
+             **{char: len(specials) + i for i, char in enumerate(alphabet)}}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                        additional_special_tokens=specials[3:], model_max_length=1024)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def tiny_llama(seed: int = 0):
+    """A 2-layer Llama (grouped-query attention, SwiGLU, untied embeddings, no dropout) for the byte tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = byte_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model, tokenizer
+
+
+def default_model() -> str:
+    """The tiny Llama's folder, written once (atomically: ranks and jobs may race; every writer writes the same)."""
+    import shutil
+    import tempfile
+
+    folder = cache_folder() / TINY_LLAMA
+    if (folder / "config.json").is_file():
+        return str(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_LLAMA}-", dir=folder.parent))
+    model, tokenizer = tiny_llama()
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+        os.rename(staging, folder)
+    except OSError:  # another process finished first
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(folder)
+
+
+# -- checks before the weights load ---------------------------------------------------------------------------------
+def linear_names(model) -> set[str]:
+    """Module names LoRA can target (peft matches a target with a name or its last dotted parts)."""
+    import torch
+
+    return {name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"}
+
+
+def lora_targets(model_args: ModelArguments, skeleton) -> list[str] | str:
+    """--lora_target_modules checked against the model's layers (peft only says "Target modules ... not found")."""
+    from ..errors import closest
+
+    names = linear_names(skeleton)
+    text = model_args.lora_target_modules
+    if text is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+        return list(DEFAULTS.get(skeleton.config.model_type, ())) or "all-linear"
+    if text.strip() == "all-linear":
+        return "all-linear"
+    wanted = [name.strip() for name in text.split(",") if name.strip()]
+    leaves = sorted({name.rsplit(".", 1)[-1] for name in names} - {"lm_head"})
+    unknown = [want for want in wanted if not any(name == want or name.endswith("." + want) for name in names)]
+    if unknown or not wanted:
+        hints = [f"{want} (did you mean {closest(want, leaves)}?)" if closest(want, leaves) else want
+                 for want in unknown]
+        raise ArgumentsError(f"--lora_target_modules {text}: {type(skeleton).__name__} has no module "
+                             f"{', '.join(hints) or 'named'}; its linear layers are {', '.join(leaves)} (or give "
+                             "all-linear)")
+    return wanted
+
+
+def check_packing(data_args: DataArguments, config, model_class, asked: str | None = None) -> bool:
+    """--packing only where each packed sample sees itself alone; returns whether rows must be flattened into one
+    (flash attention reads the boundaries of a single row). `asked`: --attn_implementation as given (transformers
+    reads some names as others, e.g. paged|sdpa as sdpa)."""
+    import sys
+
+    if not data_args.packing:
+        return False
+    implementation = asked or config._attn_implementation or "sdpa"
+    masks = hasattr(sys.modules.get(model_class.__module__), "create_causal_mask")
+    if implementation not in PACKING_ATTENTION or (not implementation.startswith("flash") and not masks):
+        why = (f"attention implementation {implementation!r}" if implementation not in PACKING_ATTENTION else
+               f"{model_class.__name__} (its attention mask is not built from position ids)")
+        raise ArgumentsError(f"--packing: under {why} the samples packed into one row would attend to each other; "
+                             f"use --attn_implementation sdpa (or {', '.join(PACKING_ATTENTION[1:])}) on a model "
+                             "that supports it, or drop --packing")
+    return implementation.startswith("flash")
+
+
+def load_model_config(model_path: str, model_args: ModelArguments):
+    from .common import load_config
+
+    kwargs = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
+    config = load_config(model_path, model_args, **kwargs)
+    if model_args.attn_implementation:
+        config._attn_implementation = model_args.attn_implementation
+    config.use_cache = False  # a cache in training would also hide packed samples' boundaries from the mask
+    return config
+
+
+def skeleton_of(config):
+    """The model on the meta device (no memory, no weights): its module names and class, in seconds. Built by calling
+    its class (from_config would partition it under ZeRO-3); None for a model class transformers does not list (a
+    Hub model's own code), whose checks then wait for the loaded model."""
+    import torch
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        if getattr(config, "auto_map", None):
+            return None
+        raise ArgumentsError(f"--model_name_or_path: a {type(config).__name__} ({config.model_type}) is not a causal "
+                             "LM: give a decoder model such as Llama, Mistral, Qwen or GPT-2") from None
+    with torch.device("meta"):
+        return model_class(config)
+
+
+# -- data ------------------------------------------------------------------------------------------------------------
+def chat_template(tokenizer, data_args: DataArguments, kinds: set[str]) -> str | None:
+    from .chat_data import DEFAULT_CHAT_TEMPLATE
+    from .data_checks import say_once
+
+    if data_args.chat_template:
+        template = Path(data_args.chat_template).read_text(encoding="utf-8")
+        try:
+            import jinja2
+
+            jinja2.Environment().parse(template)
+        except Exception as err:  # noqa: BLE001 - jinja2's TemplateSyntaxError
+            raise ArgumentsError(f"--chat_template {data_args.chat_template}: not a Jinja template ({err})") from None
+        return template
+    if "messages" not in kinds:
+        return None
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.chat_template
+    say_once("the tokenizer has no chat template: using ChatML's (<|im_start|>role ... <|im_end|>, each assistant "
+             "turn ending with the eos token); give --chat_template FILE for another")
+    return DEFAULT_CHAT_TEMPLATE
+
+
+def check_tokenizer(tokenizer, flag: str) -> None:
+    from .data_checks import say_once
+
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ArgumentsError(f"{flag}: the tokenizer has neither a pad nor an eos token: give a tokenizer with "
+                                 "one (--tokenizer_name), or --tokenizer_kwargs '{\"pad_token\": \"<pad>\"}' for a "
+                                 "token it has")
+        tokenizer.pad_token = tokenizer.eos_token
+        say_once(f"the tokenizer has no pad token: padding with its eos token {tokenizer.eos_token!r} (padding "
+                 "carries no label and no attention)")
+
+
+def tokenize(rows: dict, tokenizer, template, data_args: DataArguments, training_args, limits: dict):
+    """Each split's rows -> input_ids/labels (rank 0 first, the others read its cache); over-long samples cut and
+    counted, samples that lost every target token to the cut left out, both said once; a row no target survives in
+    before any cut is the user's to fix (named)."""
+    import datasets
+
+    from .chat_data import tokenize_rows
+    from .data_checks import DataError, row, say_once
+
+    tokenized = {}
+    with training_args.main_process_first(desc="tokenize"):
+        for split, read in rows.items():
+            kept = read.rows[: limits[split]] if limits[split] else read.rows
+            completion_only = (data_args.completion_only_loss if data_args.completion_only_loss is not None
+                               else read.kind != "text")
+            raw = datasets.Dataset.from_dict({"row": [json.dumps(r) for r in kept]})
+            done = raw.map(tokenize_rows, batched=True, remove_columns=["row"], desc=f"tokenize {split}",
+                           num_proc=data_args.preprocessing_num_workers,
+                           load_from_cache_file=not data_args.overwrite_cache,
+                           fn_kwargs={"tokenizer": tokenizer, "template": template, "completion_only": completion_only,
+                                      "max_length": data_args.max_seq_length})
+            problems = [i for i, problem in enumerate(done["problem"]) if problem]
+            if problems:
+                line = read.lines[problems[0]]
+                more = f" ({len(problems) - 1} more such rows)" if len(problems) > 1 else ""
+                raise DataError(f"{row(read.path, line)}: {done['problem'][problems[0]]}{more}")
+            truncated, lost = sum(done["truncated"]), sum(done["lost"])
+            if truncated:
+                say_once(f"{split}: {truncated} of {len(done)} samples are longer than --max_seq_length "
+                         f"{data_args.max_seq_length} tokens and were cut to it"
+                         + (f"; {lost} of them lost every target token and were left out" if lost else "")
+                         + " (raise --max_seq_length to keep them whole)")
+            if lost:
+                done = done.select([i for i, gone in enumerate(done["lost"]) if not gone])
+            if len(done) == 0:
+                raise DataError(f"{read.path}: no sample keeps a target token within --max_seq_length "
+                                f"{data_args.max_seq_length}: raise it")
+            tokenized[split] = done.remove_columns(["truncated", "lost", "problem"])
+    return tokenized
+
+
+# -- metrics ---------------------------------------------------------------------------------------------------------
+def predicted_tokens(logits, labels):
+    """preprocess_logits_for_metrics: keep the argmax, not the vocabulary-sized logits."""
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    return logits.argmax(dim=-1)
+
+
+def token_accuracy(prediction) -> dict:
+    """The share of target tokens the model predicts exactly (greedy next token), over every target token."""
+    predictions, labels = np.asarray(prediction.predictions), np.asarray(prediction.label_ids)
+    predicted, wanted = predictions[:, :-1], labels[:, 1:]
+    mask = wanted != -100
+    return {"token_accuracy": float((predicted[mask] == wanted[mask]).mean()) if mask.any() else 0.0}
+
+
+# -- entry point -----------------------------------------------------------------------------------------------------
+def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> dict:
+    """Fine-tune and/or evaluate a causal LM with ExtTrainer; returns the metrics. Writes {train,eval,eval_before}_
+    results.json; the output holds the model (or with LoRA the adapter; `trainer-ext merge` folds it into full
+    weights)."""
+    from transformers import AutoModelForCausalLM, set_seed
+
+    from ..data.packing import CausalLMCollator, pack_dataset
+    from ..process_setup import prepare_process, sharded_loading
+    from ..trainer import ExtTrainer
+    from .chat_data import read_rows
+    from .common import (check_best_metric, check_output_dir, check_sequence_length, check_something_to_do,
+                         load_tokenizer, reading, train_and_save)
+    from .data_checks import say_once
+
+    check_output_dir(training_args, model_args.model_name_or_path)
+    check_something_to_do(training_args, data_args, steps=("do_train", "do_eval"))
+    check_best_metric(training_args, EVAL_METRICS)
+    prepare_process(training_args)
+    files = data_args.files(training_args)
+    rows = {split: read_rows(path, split) for split, path in files.items()}  # every line checked, seconds
+    model_path = model_args.model_name_or_path or default_model()
+    config = load_model_config(model_path, model_args)
+    skeleton = skeleton_of(config)
+    if skeleton is not None:
+        targets = lora_targets(model_args, skeleton) if model_args.lora_r else None
+        flatten = check_packing(data_args, config, type(skeleton), model_args.attn_implementation)
+    tokenizer = load_tokenizer(model_path, model_args)
+    check_tokenizer(tokenizer, "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path")
+    check_sequence_length("--max_seq_length", data_args.max_seq_length, config, tokenizer)
+    kinds = {"messages" if any("messages" in r for r in read.rows) else read.kind for read in rows.values()}
+    template = chat_template(tokenizer, data_args, kinds)
+    limits = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
+    tokenized = tokenize(rows, tokenizer, template, data_args, training_args, limits)
+    train = tokenized.get("train")
+    if train is not None and data_args.packing:
+        samples = len(train)
+        train = pack_dataset(train, data_args.max_seq_length)
+        say_once(f"packing: {samples} training samples in {len(train)} rows of up to {data_args.max_seq_length} "
+                 "tokens")
+
+    set_seed(training_args.seed)
+    dtype = model_args.model_kwargs.get("dtype", model_args.model_kwargs.get("torch_dtype"))
+    if dtype is None:  # full fine-tunes keep fp32 master weights; a frozen LoRA base can sit in the compute dtype
+        dtype = ("bfloat16" if model_args.lora_r and training_args.bf16 else
+                 "float16" if model_args.lora_r and training_args.fp16 else "float32")
+    kwargs = {**{k: v for k, v in model_args.model_kwargs.items() if k != "torch_dtype"}, "dtype": dtype}
+    with sharded_loading(training_args), reading("--model_name_or_path", model_path, "model"):
+        model = AutoModelForCausalLM.from_pretrained(model_path, config=config, **kwargs)
+    if skeleton is None:  # the checks on the model itself (its own code, which transformers does not list)
+        targets = lora_targets(model_args, model) if model_args.lora_r else None
+        flatten = check_packing(data_args, model.config, type(model), model_args.attn_implementation)
+    if model_args.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha or 2 * model_args.lora_r,
+                          lora_dropout=model_args.lora_dropout, target_modules=targets, task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+        if training_args.gradient_checkpointing:
+            model.enable_input_require_grads()  # the frozen embeddings' output must carry gradients through
+    compile_length = (data_args.max_seq_length if training_args.torch_compile and not data_args.pad_to_multiple_of
+                      else None)
+    if compile_length and not data_args.packing:
+        say_once(f"--torch_compile: every batch padded to --max_seq_length {compile_length} (one shape, compiled "
+                 "once); give --pad_to_multiple_of N for fewer padding tokens and one compilation per length")
+    collator = CausalLMCollator(tokenizer.pad_token_id, data_args.pad_to_multiple_of,
+                                data_args.max_seq_length if data_args.packing else compile_length, flatten)
+    Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
+    trainer = ExtTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=tokenized.get("validation"),
+                         processing_class=tokenizer, data_collator=collator, compute_metrics=token_accuracy,
+                         preprocess_logits_for_metrics=predicted_tokens)
+    results = {}
+
+    def evaluate(prefix):
+        metrics = trainer.evaluate(metric_key_prefix=prefix)
+        loss = metrics.get(f"{prefix}_loss")
+        if loss is not None:
+            metrics[f"{prefix}_perplexity"] = math.exp(loss) if loss < 700 else float("inf")
+        trainer.log_metrics(prefix, metrics)
+        trainer.save_metrics(prefix, metrics)
+        results.update(metrics)
+
+    if data_args.evaluate_before_training:
+        evaluate("eval_before")
+    if training_args.do_train:
+        results.update(train_and_save(trainer, training_args, len(tokenized["train"])))
+    if training_args.do_eval:
+        evaluate("eval")
+    return results
