@@ -1,22 +1,27 @@
 """examples/run_clm.py as a user runs it, on the shipped chat data and the default tiny Llama (fp32, no dropout, the
-same global batch of 8): LoRA under DeepSpeed ZeRO-3 and torchrun DDP, and a full fine-tune with --packing under FSDP2
-(its decoder layer found by itself) and --sharded_ddp simple, each equal to one process step by step, in its
-weights (or adapter) and its evaluation; a LoRA checkpoint of 2 ranks resumed on 1 equal to the uninterrupted run;
-`trainer-ext merge` folding the adapter into weights that predict what base + adapter predicted."""
+same global batch of 8): LoRA under DeepSpeed ZeRO-3 (stopped by SIGTERM on one rank, then the same command again) and
+torchrun DDP, and a full fine-tune with --packing under FSDP2 (its decoder layer found by itself) and --sharded_ddp
+simple, each equal to one process step by step, in its weights (or adapter) and its evaluation; a LoRA checkpoint of 2
+ranks resumed on 1 equal to the uninterrupted run; `trainer-ext merge` folding the adapter into weights that predict
+what base + adapter predicted."""
 
 import importlib.util
 import json
 import shutil
+import signal
+import subprocess
+import time
 
 import pytest
 
-from conftest import BIN, EXAMPLES, PYTHON, launch, logged, run, run_forked
+from conftest import (BIN, EXAMPLES, PYTHON, REPO, TINY_COMMON, clean_env, free_port, launch, launcher, logged,
+                      rank_process, run, run_forked)
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed,
               pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft (pip install -e '.[test]')")]
 
 CLM = EXAMPLES / "run_clm.py"
-STEPS = 4
+STEPS = 6
 COMMON = ["--do_train", "--do_eval", "--max_steps", STEPS, "--learning_rate", "3e-3", "--logging_steps", 1,
           "--report_to", "none", "--max_train_samples", 48, "--max_eval_samples", 21, "--per_device_eval_batch_size",
           4, "--max_seq_length", 192, "--save_steps", 2, "--disable_tqdm", "true", "--seed", 7]
@@ -53,8 +58,7 @@ def runs(tmp_path_factory):
                for name, flags in (("single_lora", LORA), ("single_packed", PACKED))}
     for name, done in run_forked(singles, timeout=600).items():
         assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    launch("deepspeed", root / "zero3_lora", *LORA, "--per_device_train_batch_size", 4, "--deepspeed", "zero3",
-           script=CLM, env=env)
+    preempted_then_again(root / "zero3_lora", [*LORA, "--per_device_train_batch_size", 4, "--deepspeed", "zero3"], env)
     launch("torchrun", root / "ddp_lora", *LORA, "--per_device_train_batch_size", 4, script=CLM, env=env)
     launch("torchrun", root / "fsdp2_packed", *PACKED, "--per_device_train_batch_size", 4, "--fsdp",
            "full_shard auto_wrap", script=CLM, env=env)
@@ -69,6 +73,37 @@ def runs(tmp_path_factory):
     return root
 
 
+def preempted_then_again(output_dir, flags, env):
+    """A 2-rank DeepSpeed run whose rank 1 gets SIGTERM once the first step is logged, then the same command again;
+    both logs are kept beside output_dir (<name>.first.log, <name>.again.log)."""
+    cmd = [str(c) for c in [*launcher("deepspeed"), "--num_gpus", 2, "--master_port", free_port(), CLM, "--output_dir",
+                            output_dir, *TINY_COMMON, *flags]]
+    first_log = output_dir.parent / f"{output_dir.name}.first.log"
+    with open(first_log, "w") as log:
+        first = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                 env={**clean_env(), "PYTHONUNBUFFERED": "1", **env})
+        target = rank_process(first, rank=1, script="run_clm.py")
+        deadline = time.time() + 600
+        while "'loss'" not in first_log.read_text() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        target.send_signal(signal.SIGTERM)
+        first.wait(timeout=600)
+    again = run(cmd, env=env)
+    (output_dir.parent / f"{output_dir.name}.again.log").write_text(again.stdout + again.stderr)
+    assert again.returncode == 0, again.stderr[-3000:]
+
+
+def test_a_sigterm_on_one_zero3_rank_checkpoints_the_adapter_and_the_same_command_continues(runs):
+    """The first run stops with a complete checkpoint mid-training; the second resumes it (and the LoRA test below
+    finds the finished run equal to one uninterrupted process)."""
+    first, again = (runs / "zero3_lora.first.log").read_text(), (runs / "zero3_lora.again.log").read_text()
+    assert "received SIGTERM" in first and "preempted: checkpoint" in first, first[-3000:]
+    stopped = int(first.split("preempted: checkpoint ")[1].split("checkpoint-")[1].split()[0])
+    assert 1 <= stopped < STEPS, "the signal must arrive mid-training for this test to mean anything"
+    assert f"resuming from {runs / 'zero3_lora' / f'checkpoint-{stopped}'}" in again
+    assert len(adapter(runs / "zero3_lora" / f"checkpoint-{stopped}")) == 8  # gathered from both ranks
+
+
 @pytest.mark.parametrize("backend", ["zero3_lora", "ddp_lora"])
 def test_lora_on_2_ranks_trains_like_one_process_and_writes_the_whole_adapter(runs, backend):
     """ZeRO-3 partitions the adapters too: a save that does not gather them wrote an empty adapter (trl #4416,
@@ -77,7 +112,7 @@ def test_lora_on_2_ranks_trains_like_one_process_and_writes_the_whole_adapter(ru
     single, launched = logged(runs / "single_lora"), logged(runs / backend)
     assert sorted(single) == sorted(launched) == list(range(1, STEPS + 1))
     assert max(abs(single[s] - launched[s]) for s in single) < 1e-5
-    for where in ("", "checkpoint-2", f"checkpoint-{STEPS}"):
+    for where in ("", f"checkpoint-{STEPS}"):
         ours, theirs = adapter(runs / "single_lora" / where), adapter(runs / backend / where)
         assert len(theirs) == 8 and all(t.numel() > 0 for t in theirs.values())
         assert largest_difference(ours, theirs) < 1e-5
@@ -90,6 +125,7 @@ def test_a_2_rank_lora_checkpoint_resumed_on_1_process_finishes_the_same_run(run
     """(Steps 1-2 of its log come with the checkpoint: the 2 ranks logged them; 3-4 are the one process's.)"""
     single, resumed = logged(runs / "single_lora"), logged(runs / "resumed_on_1")
     assert sorted(resumed) == list(range(1, STEPS + 1)) and max(abs(single[s] - resumed[s]) for s in resumed) < 1e-5
+    assert len(adapter(runs / "ddp_lora" / "checkpoint-2")) == 8
     assert largest_difference(adapter(runs / "single_lora"), adapter(runs / "resumed_on_1")) < 1e-5
 
 

@@ -204,3 +204,27 @@ def test_zero3_with_its_gpu_granularity_trains_like_plain_and_saves_a_whole_mode
     from safetensors.torch import load_file
 
     assert all(tensor.numel() > 0 for tensor in load_file(str(tmp_path / "model.safetensors")).values())
+
+
+CLM = Path(__file__).resolve().parents[2] / "examples" / "run_clm.py"
+CLM_FLAGS = ["--do_train", "--do_eval", "--evaluate_before_training", "--max_steps", 60, "--learning_rate", "3e-3",
+             "--per_device_train_batch_size", 8, "--max_seq_length", 512, "--max_eval_samples", 64, "--packing",
+             "--bf16", "--save_strategy", "no"]
+
+
+@requires_cuda
+@pytest.mark.parametrize("lora", [False, True])
+def test_causal_lm_recipe_learns_in_bf16_with_packing_on_a_gpu(tmp_path, lora):
+    """examples/run_clm.py on the GPU (the default tiny Llama and shipped chat data, packed rows, bf16, sdpa): the
+    validation loss falls and next-token accuracy rises; with LoRA the base sits in bf16 and the adapter is written.
+    Written without a GPU lease: not yet run on one."""
+    if lora:
+        pytest.importorskip("peft")
+    env = {"TRAINER_EXT_CACHE": str(tmp_path / "cache")}
+    launch("single", tmp_path / "out", *CLM_FLAGS, *(["--lora_r", 8, "--learning_rate", "1e-2"] if lora else []),
+           script=CLM, env=env)
+    results = json.loads((tmp_path / "out" / "all_results.json").read_text())
+    assert results["eval_loss"] < results["eval_before_loss"] - 0.2, results  # CPU bf16: 5.60 -> 1.67, LoRA 5.20
+    assert results["eval_token_accuracy"] > results["eval_before_token_accuracy"] + 0.1, results
+    written = "adapter_model.safetensors" if lora else "model.safetensors"
+    assert (tmp_path / "out" / written).is_file()

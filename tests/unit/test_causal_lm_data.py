@@ -191,6 +191,8 @@ BAD_FLAGS = {
     "longer than the positions": (["--max_seq_length", 5000], ["--max_seq_length 5000", "1024 positions"]),
     "packing that mixes samples": (["--packing", "--attn_implementation", "plain_kernel"],
                                    ["--packing", "'plain_kernel'", "attend to each other", "--attn_implementation sdpa"]),
+    "packing with a cache": (["--packing", "--use_cache", "true"], ["--packing with --use_cache true",
+                                                                     "drop --use_cache"]),
     "template file": (["--chat_template", "missing.jinja"], ["--chat_template missing.jinja", "no such file"]),
 }
 
@@ -251,3 +253,39 @@ def test_truncation_is_counted_and_samples_without_targets_are_left_out(tmp_path
     said = capsys.readouterr().out
     assert "2 of 3 samples are longer than --max_seq_length 40" in said and "1 of them lost every target" in said
     assert len(out["train"]) == 2 and all(len(ids) <= 40 for ids in out["train"]["input_ids"])
+
+
+def test_lora_without_peft_installed_is_one_line_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    from trainer_ext.errors import MissingLibraryError
+    from trainer_ext.tasks.causal_lm import ModelArguments
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    with pytest.raises(MissingLibraryError, match=r"--lora_r needs peft.*trainer_ext\[llm\]"):
+        ModelArguments(lora_r=8)
+
+
+def test_flattened_packed_batch_gives_the_rows_loss(tokenizer):
+    """flash attention reads sample boundaries only from one flattened row (batch size 1): the collator's `flatten`
+    layout must give the loss of the rows it flattens (checked here under sdpa, which reads both layouts)."""
+    import torch
+
+    from trainer_ext.data.packing import CausalLMCollator, pack, packed_row
+    from trainer_ext.tasks.causal_lm import tiny_llama
+    from trainer_ext.tasks.chat_data import encode, read_rows
+
+    rows = read_rows(SHIPPED / "train.jsonl", "train").rows[:12]
+    samples = [dict(zip(("input_ids", "labels"), encode(r, tokenizer, tokenizer.chat_template, True))) for r in rows]
+    packed = [packed_row([samples[i] for i in group]) for group in pack([len(s["input_ids"]) for s in samples], 256)]
+    model, _ = tiny_llama()
+    model.config.use_cache = False
+    losses = {}
+    for flatten in (False, True):
+        batch = CausalLMCollator(tokenizer.pad_token_id, length=256, flatten=flatten)(packed)
+        assert batch["input_ids"].shape == ((1, 256 * len(packed)) if flatten else (len(packed), 256))
+        assert "attention_mask" not in batch
+        with torch.no_grad():
+            losses[flatten] = model(**batch).loss.item()
+    assert abs(losses[True] - losses[False]) < 1e-6

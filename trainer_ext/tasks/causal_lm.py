@@ -225,7 +225,7 @@ def lora_targets(model_args: ModelArguments, skeleton) -> list[str] | str:
     return wanted
 
 
-def check_packing(data_args: DataArguments, config, model_class, asked: str | None = None) -> bool:
+def check_packing(data_args: DataArguments, training_args, config, model_class, asked: str | None = None) -> bool:
     """--packing only where each packed sample sees itself alone; returns whether rows must be flattened into one
     (flash attention reads the boundaries of a single row). `asked`: --attn_implementation as given (transformers
     reads some names as others, e.g. paged|sdpa as sdpa)."""
@@ -233,6 +233,10 @@ def check_packing(data_args: DataArguments, config, model_class, asked: str | No
 
     if not data_args.packing:
         return False
+    if getattr(training_args, "use_cache", False):
+        raise ArgumentsError("--packing with --use_cache true: in training the cache hides the packed samples' "
+                             "boundaries from the attention mask, so they would attend to each other; drop "
+                             "--use_cache (the Trainer's default turns the cache off)")
     implementation = asked or config._attn_implementation or "sdpa"
     masks = hasattr(sys.modules.get(model_class.__module__), "create_causal_mask")
     if implementation not in PACKING_ATTENTION or (not implementation.startswith("flash") and not masks):
@@ -251,7 +255,7 @@ def load_model_config(model_path: str, model_args: ModelArguments):
     config = load_config(model_path, model_args, **kwargs)
     if model_args.attn_implementation:
         config._attn_implementation = model_args.attn_implementation
-    config.use_cache = False  # a cache in training would also hide packed samples' boundaries from the mask
+    config.use_cache = False  # a cache in training hides packed samples' boundaries from the mask (measured)
     return config
 
 
@@ -392,7 +396,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     skeleton = skeleton_of(config)
     if skeleton is not None:
         targets = lora_targets(model_args, skeleton) if model_args.lora_r else None
-        flatten = check_packing(data_args, config, type(skeleton), model_args.attn_implementation)
+        flatten = check_packing(data_args, training_args, config, type(skeleton), model_args.attn_implementation)
     tokenizer = load_tokenizer(model_path, model_args)
     check_tokenizer(tokenizer, "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path")
     check_sequence_length("--max_seq_length", data_args.max_seq_length, config, tokenizer)
@@ -417,7 +421,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
         model = AutoModelForCausalLM.from_pretrained(model_path, config=config, **kwargs)
     if skeleton is None:  # the checks on the model itself (its own code, which transformers does not list)
         targets = lora_targets(model_args, model) if model_args.lora_r else None
-        flatten = check_packing(data_args, model.config, type(model), model_args.attn_implementation)
+        flatten = check_packing(data_args, training_args, model.config, type(model), model_args.attn_implementation)
     if model_args.lora_r:
         from peft import LoraConfig, get_peft_model
 
