@@ -289,3 +289,26 @@ def test_flattened_packed_batch_gives_the_rows_loss(tokenizer):
         with torch.no_grad():
             losses[flatten] = model(**batch).loss.item()
     assert abs(losses[True] - losses[False]) < 1e-6
+
+
+def test_a_users_own_model_folder_without_chat_template_trains_with_the_default_template(tmp_path, tokenizer, capsys):
+    """A GPT-2 shaped model folder of the user's (Conv1D layers, tied embeddings, a tokenizer without chat template
+    or pad token): the recipe says which template and pad token it uses, LoRA's default targets are peft's for GPT-2
+    (c_attn), and two steps train and save the adapter."""
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    from conftest import example
+
+    folder = tmp_path / "my-gpt2"
+    mine = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, bos_token="<s>", eos_token="</s>")
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=256,
+                               bos_token_id=1, eos_token_id=2)).save_pretrained(folder)
+    mine.save_pretrained(folder)
+    data = write_lines(tmp_path / "chat.jsonl", [GOOD] * 16)
+    example("run_clm")(["--output_dir", str(tmp_path / "out"), "--do_train", "--model_name_or_path", str(folder),
+                        "--train_file", str(data), "--lora_r", "2", "--max_steps", "2", "--max_seq_length", "128",
+                        "--per_device_train_batch_size", "4", "--report_to", "none", "--save_strategy", "no"])
+    said = capsys.readouterr().out
+    assert "no chat template: using ChatML's" in said and "no pad token: padding with its eos token" in said
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["c_attn"] and config["base_model_name_or_path"] == str(folder)
