@@ -6,7 +6,6 @@ byte-level tokenizer built offline (written once to the cache folder and loaded 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -18,8 +17,6 @@ from ..errors import ArgumentsError, MissingLibraryError
 from .common import REPO
 from .common import ModelArguments as CommonModelArguments
 from .common import check_sample_limits, nearby, with_channels
-
-logger = logging.getLogger(__name__)
 
 SHIPPED_DATA = REPO / "data" / "causal_lm"
 EVAL_METRICS = ("loss", "token_accuracy")  # evaluation also reports perplexity (exp of the loss), after it
