@@ -85,8 +85,12 @@ CONFIGS = [
 BASELINE = {"stock": "DDP, stock Trainer", "ext": "DDP, ExtTrainer"}
 
 # Dense peak FLOP/s by device name and precision (vendor data sheets), for model FLOPs utilisation.
-PEAK_FLOPS = {
+PEAK_FLOPS = {  # the first key the device's name holds is taken: the PCIe and NVL cards before the SXM ones
+    "GH200": {"fp32": 67e12, "fp16": 989e12, "bf16": 989e12},
+    "H100 PCIe": {"fp32": 51e12, "fp16": 756e12, "bf16": 756e12},
+    "H100 NVL": {"fp32": 60e12, "fp16": 835e12, "bf16": 835e12},
     "H100": {"fp32": 67e12, "fp16": 989e12, "bf16": 989e12},
+    "H200 NVL": {"fp32": 60e12, "fp16": 835e12, "bf16": 835e12},
     "H200": {"fp32": 67e12, "fp16": 989e12, "bf16": 989e12},
     "A100": {"fp32": 19.5e12, "fp16": 312e12, "bf16": 312e12},
     "L4": {"fp32": 30.3e12, "fp16": 121e12, "bf16": 121e12},

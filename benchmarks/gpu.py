@@ -3,8 +3,15 @@ parameters, seeded random token ids, 384 tokens, 32 per GPU), fp16 and bf16, on 
 on all of them; writes benchmarks/results/gpu.{md,json,png} with samples/s, tokens/s, model FLOPs utilisation, peak
 CUDA memory and the ratio of each configuration to plain ExtTrainer in the same precision on the same GPUs.
 
+The causal-LM row is its own workload: a ~1B Llama built from a config (llama-1b: 1,104,218,112 parameters) in bf16 on
+seeded random samples of 64-1024 tokens packed into rows of 2048 (positions restart per sample, no attention mask),
+plain ExtTrainer with fused AdamW, flash_attention_2 where flash-attn is installed, else sdpa; the batch per GPU is
+the largest the memory planner fits in 80% of the GPU (gradient checkpointing only if fewer than 4 rows fit without);
+reported as tokens/s and MFU in a section of its own (see causal_lm_flops_per_token).
+
     python benchmarks/gpu.py                       # all rows that fit --budget_minutes (default 9)
     python benchmarks/gpu.py --only simple ZeRO-2  # rows whose name holds one of these (a whole name: that row)
+    python benchmarks/gpu.py --only "causal LM"    # the causal-LM row alone (about a minute on one H100)
     python benchmarks/gpu.py --profile "simple"    # one row with torch.profiler tables of steps 8-10
 
 No model package and no network: everything is built from a config. Needs deepspeed and fairscale for their rows (a
@@ -32,10 +39,11 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
 from backends import PEAK_FLOPS, free_port, model_flops_per_token, samples_per_second  # noqa: E402
-from train import SHAPES  # noqa: E402
+from train import CAUSAL_LM_SHAPES, SHAPES  # noqa: E402
 
 GIB = 2 ** 30
 BASELINE = "plain, ExtTrainer"
+CAUSAL_LM = "causal LM: Llama from a config, packed rows, ExtTrainer"
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,7 @@ class Config:
     precisions: tuple = ("bf16", "fp16")
     needs: str = ""  # the package the row needs
     notes: str = ""
+    task: str = "qa"  # qa: the BERT QA shape of --model_config; causal_lm: the --clm_* workload, reported apart
 
 
 # In priority order: the rows that decide the issue's targets first; the budget cuts from the end.
@@ -54,6 +63,9 @@ CONFIGS = [
     Config(BASELINE, "ext", "torchrun"),
     Config("ZeRO-2, ExtTrainer (zero2_minimal: our defaults)", "ext", "deepspeed", ("--deepspeed", "zero2_minimal"),
            needs="deepspeed"),
+    # The causal-LM target: MFU >= 0.40 on one H100/H200 for SFT of a ~1B Llama, packed, on the best backend (on one GPU
+    # plain data parallelism: every other backend adds bookkeeping there, see docs/gpus.md).
+    Config(CAUSAL_LM, "ext", "torchrun", ("--optim", "adamw_torch_fused"), precisions=("bf16",), task="causal_lm"),
     Config("plain, stock Trainer", "stock", "torchrun"),
     Config("simple, ExtTrainer", "ext", "torchrun", ("--sharded_ddp", "simple"), needs="fairscale"),
     Config("zero_dp_2, ExtTrainer", "ext", "torchrun", ("--sharded_ddp", "zero_dp_2"), needs="fairscale"),
@@ -104,6 +116,60 @@ CONFIGS += [Config(f"ZeRO-3 tuning: {name}", "ext", "deepspeed", zero3_variant(*
                    needs="deepspeed") for name, changes in ZERO3_TUNING.items()]
 
 
+def causal_lm_flops_per_token(matmul_parameters: int, layers: int, hidden: int, effective_length: float) -> float:
+    """Training FLOPs per token of a decoder on packed samples: 6·N for the matmuls with weights (N: the parameters
+    in matmuls, all but the input embedding, a lookup; the untied lm_head counts, as in Megatron-LM's formula) plus
+    12·L·h·len for attention, where a token of a sample of `len` tokens attends over that sample only (PaLM
+    appendix B's 12·L·h·s with s the sample's own length, causal masking not halved, as there). Averaged over a
+    run's tokens that is 12·L·h·s_eff with s_eff = Σ len² / Σ len over its samples."""
+    return 6 * matmul_parameters + 12 * layers * hidden * effective_length
+
+
+def peak_flops(device: str, precision: str, peak_tflops: float | None = None) -> tuple[float | None, str]:
+    """Dense peak FLOP/s of one device for the precision, and which entry gave it (--peak_tflops: the one given)."""
+    if peak_tflops:
+        return peak_tflops * 1e12, f"--peak_tflops {peak_tflops:g}"
+    key = next((k for k in PEAK_FLOPS if k in device), None)
+    return (PEAK_FLOPS[key].get(precision), f"{key} dense {precision}") if key else (None, "unknown device")
+
+
+def causal_lm_shape(name: str):
+    """The planner's view of a CAUSAL_LM_SHAPES entry (untied embeddings)."""
+    from trainer_ext.planner import DecoderShape, ModelSize
+
+    c = CAUSAL_LM_SHAPES[name]
+    heads = c["num_attention_heads"]
+    shape = DecoderShape("llama", c["hidden_size"], c["num_hidden_layers"], heads, c["num_key_value_heads"],
+                         c["hidden_size"] // heads, c["intermediate_size"], c["vocab_size"], tied_embeddings=False)
+    return ModelSize(sum(shape.parameter_tensors()), "llama formula", c["hidden_size"], c["num_hidden_layers"], heads,
+                     dropout=False, attention_dropout=False, decoder=shape)
+
+
+CAUSAL_LM_BATCHES = (16, 12, 10, 8, 6, 4, 3, 2, 1)
+
+
+def causal_lm_batch(args, device_memory: float) -> tuple[int, bool, str]:
+    """The causal-LM row's rows per GPU and whether it checkpoints: the largest batch (at most 16) whose bytes by
+    trainer_ext.planner (plain data parallelism under autocast) stay within 80% of the GPU's memory (the rest: CUDA's
+    context, the allocator's slack, the packed attention mask), without checkpointing if 4 rows fit so, else with."""
+    from trainer_ext.planner import plan
+
+    size = causal_lm_shape(args.clm_model_config)
+
+    def planned(batch: int, checkpointing: bool) -> float:
+        estimates = plan(size, 1, "bf16", batch_size=batch, seq_length=args.clm_seq_length,
+                         gradient_checkpointing=checkpointing).estimates
+        return next(e for e in estimates if e.backend == "ddp").device_total
+
+    for checkpointing, smallest in ((False, 4), (True, 1)):
+        batch = next((b for b in CAUSAL_LM_BATCHES if b >= smallest and planned(b, checkpointing)
+                      <= 0.8 * device_memory), None)
+        if batch:
+            return batch, checkpointing, (f"planned {planned(batch, checkpointing) / GIB:.1f} GiB of "
+                                          f"{device_memory / GIB:.1f}")
+    return 1, True, f"planned {planned(1, True) / GIB:.1f} GiB of {device_memory / GIB:.1f}: may not fit"
+
+
 def command(config: Config, precision: str, ranks: int, args, out: Path, profile: str | None = None) -> list[str]:
     bin_dir = Path(sys.executable).parent
     port = str(free_port())
@@ -113,9 +179,17 @@ def command(config: Config, precision: str, ranks: int, args, out: Path, profile
         "deepspeed": [shutil.which("deepspeed", path=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
                       or "deepspeed", "--num_gpus", str(ranks), "--master_port", port],
     }[config.launcher]
-    flags = ["--trainer", config.trainer, "--model_config", args.model_config, "--max_seq_length",
-             str(args.seq_length), "--report_dir", str(out / "report"), "--output_dir", str(out / "output"),
-             "--max_steps", str(args.steps), "--per_device_train_batch_size", str(args.batch_size),
+    if config.task == "causal_lm":
+        workload = ["--model_config", args.clm_model_config, "--max_seq_length", str(args.clm_seq_length),
+                    "--sample_lengths", *map(str, args.clm_sample_lengths),
+                    "--per_device_train_batch_size", str(args.clm_batch_size)]
+        workload += ["--gradient_checkpointing", "true"] if args.clm_gradient_checkpointing else []
+        workload += ["--attn_implementation", args.clm_attention] if args.clm_attention else []
+    else:
+        workload = ["--model_config", args.model_config, "--max_seq_length", str(args.seq_length),
+                    "--per_device_train_batch_size", str(args.batch_size)]
+    flags = ["--trainer", config.trainer, *workload, "--report_dir", str(out / "report"), "--output_dir",
+             str(out / "output"), "--max_steps", str(args.steps),
              "--learning_rate", "5e-5", "--warmup_steps", "2", "--logging_steps", "1", "--save_strategy", "no",
              "--report_to", "none", "--disable_tqdm", "true", "--seed", "42", f"--{precision}", *config.flags]
     if config.trainer == "stock":  # a classifier's loss is not multiplied by the world size (see backends.py)
@@ -154,8 +228,12 @@ def run_once(config: Config, precision: str, ranks: int, args, root: Path, profi
 
 def summarise(config: Config, precision: str, ranks: int, run: dict, args, device: str) -> dict:
     row = {"name": config.name, "precision": precision, "ranks": ranks, "wall_seconds": run["wall_seconds"]}
+    if config.task != "qa":
+        row["task"] = config.task
     if "failed" in run:
         return {**row, "status": f"failed: {run['failed']}"}
+    if config.task == "causal_lm":
+        return summarise_causal_lm(row, run, args, device)
     first = run["reports"][0]
     shape = SHAPES[args.model_config]
     speed = samples_per_second(first, args.warmup, args.batch_size * ranks)
@@ -168,6 +246,49 @@ def summarise(config: Config, precision: str, ranks: int, run: dict, args, devic
                                       args.seq_length)
         row["mfu"] = flops * row["tokens_per_second"] / (peak * ranks)
     return row
+
+
+def summarise_causal_lm(row: dict, run: dict, args, device: str) -> dict:
+    """tokens/s (every position of a packed row is a sample's token) and MFU by causal_lm_flops_per_token, with s_eff
+    over every row the run trained (the ranks' datasets together hold exactly the rows of its steps)."""
+    first = run["reports"][0]
+    shape = CAUSAL_LM_SHAPES[args.clm_model_config]
+    ranks, batch = row["ranks"], args.clm_batch_size
+    rows_per_second = samples_per_second(first, args.warmup, batch * ranks)
+    packed = first["packed"]
+    effective = packed["squared"] / packed["tokens"]
+    matmul_parameters = first["num_parameters"] - shape["vocab_size"] * shape["hidden_size"]
+    flops = causal_lm_flops_per_token(matmul_parameters, shape["num_hidden_layers"], shape["hidden_size"], effective)
+    row.update(status="ok", model_config=args.clm_model_config, samples_per_second=rows_per_second,
+               tokens_per_second=rows_per_second * args.clm_seq_length, seq_length=args.clm_seq_length,
+               batch_size=batch, gradient_checkpointing=args.clm_gradient_checkpointing,
+               attn_implementation=first.get("attn_implementation"), num_parameters=first["num_parameters"],
+               matmul_parameters=matmul_parameters, layers=shape["num_hidden_layers"], hidden=shape["hidden_size"],
+               effective_length=effective, packed_samples=packed["samples"], flops_per_token=flops,
+               losses=first["losses"], peak_cuda_bytes=max(report.get("peak_cuda_bytes") or 0
+                                                           for report in run["reports"]))
+    peak, source = peak_flops(device, row["precision"], args.peak_tflops)
+    row["peak_flops_source"] = source
+    if peak:
+        row.update(peak_flops=peak, mfu=flops * row["tokens_per_second"] / (peak * ranks),
+                   mfu_all_parameters=(flops + 6 * shape["vocab_size"] * shape["hidden_size"])
+                   * row["tokens_per_second"] / (peak * ranks))
+    return row
+
+
+def causal_lm_line(row: dict) -> str:
+    """The row's figures and the formula they came from, in words (the console and the report)."""
+    text = (f"{row['tokens_per_second']:.0f} tokens/s ({row['batch_size']} rows × {row['seq_length']} tokens per "
+            f"GPU, {row['attn_implementation']}{', gradient checkpointing' if row['gradient_checkpointing'] else ''})"
+            f"; N = {row['num_parameters']:,} parameters, {row['matmul_parameters']:,} in matmuls; FLOPs per token "
+            f"= 6·{row['matmul_parameters']:,} + 12·{row['layers']}·{row['hidden']}·{row['effective_length']:.1f} "
+            f"(s_eff = Σ len² / Σ len over {row['packed_samples']:,} packed samples) = "
+            f"{row['flops_per_token'] / 1e9:.4g} GFLOP")
+    if "mfu" in row:
+        return (text + f"; MFU = tokens/s × FLOPs per token / ({row['peak_flops'] / 1e12:g} TFLOP/s "
+                f"[{row['peak_flops_source']}] × {row['ranks']}) = {row['mfu']:.3f} (counting every parameter in "
+                f"6·N: {row['mfu_all_parameters']:.3f})")
+    return text + f"; MFU: no peak known for this device ({row['peak_flops_source']}; give --peak_tflops)"
 
 
 def plan_runs(configs: list[Config], rank_counts: list[int]) -> list[tuple[Config, str, int]]:
@@ -208,17 +329,24 @@ def write_results(path: Path, rows: list[dict], meta: dict) -> None:
 
 
 def baseline_of(rows: list[dict], row: dict) -> dict | None:
+    if row.get("task", "qa") != "qa":  # another workload: no ratio to the QA rows
+        return None
     return next((r for r in rows if r["name"] == BASELINE and r["precision"] == row["precision"]
                  and r["ranks"] == row["ranks"] and r["status"] == "ok"), None)
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [f"# GPU benchmark: {meta['model_config']} on {meta['device']}", "",
-             f"Made by `python benchmarks/gpu.py --steps {meta['steps']} --warmup {meta['warmup']}` "
+    causal_lm = [row for row in rows if row.get("task") == "causal_lm"]
+    rows = [row for row in rows if row.get("task", "qa") == "qa"]
+    qa = (f"{meta['num_parameters_text']}, seeded random token ids, {meta['seq_length']} tokens, "
+          f"{meta['batch_size']} per GPU, AdamW 5e-5, dropout off. " if rows else "")
+    title = f"{meta['model_config']} on {meta['device']}" if rows else f"causal LM on {meta['device']}"
+    lines = [f"# GPU benchmark: {title}", "",
+             f"Made by `python benchmarks/gpu.py --steps {meta['steps']} --warmup {meta['warmup']}"
+             f"{' --only ' + ' '.join(repr(o) for o in meta['only']) if meta.get('only') else ''}` "
              f"({meta['started']}, {meta['minutes']:.1f} min; torch {meta['torch']}, transformers "
              f"{meta['transformers']}, deepspeed {meta['deepspeed']}, fairscale {meta['fairscale']}). "
-             f"{meta['num_parameters_text']}, seeded random token ids, {meta['seq_length']} tokens, "
-             f"{meta['batch_size']} per GPU, AdamW 5e-5, dropout off. samples/s = global batch / median time between "
+             f"{qa}samples/s = global batch / median time between "
              f"step ends over steps {meta['warmup'] + 1}-{meta['steps']}. MFU: (6·N + 12·L·h·s) FLOPs per token "
              "against the GPU's dense peak for the precision. × plain: against plain ExtTrainer in the same precision "
              "on the same GPUs.", "", f"{meta['prebuild']}.", ""]
@@ -238,8 +366,36 @@ def markdown(rows: list[dict], meta: dict) -> str:
                          f"{row['tokens_per_second']:.0f} | {ratio} | {mfu} | {row['peak_cuda_bytes'] / GIB:.1f} | "
                          f"{row['losses'][-1]:.4f} | {difference} |")
         lines.append("")
+    if causal_lm:
+        lines += causal_lm_markdown(causal_lm)
     lines += [f"![throughput ratio and peak memory]({Path(meta['results']).with_suffix('.png').name})", ""]
     return "\n".join(lines)
+
+
+def causal_lm_markdown(rows: list[dict]) -> list[str]:
+    done = [row for row in rows if row["status"] == "ok"]
+    shape = next((f"{row['model_config']} ({row['num_parameters']:,} parameters)" for row in done), "")
+    lines = [f"## Causal LM: {shape} built from a config, packed rows, bf16", "",
+             "Seeded random samples packed into rows (positions restart at each sample, no attention mask: each sample "
+             "attends to itself only), plain ExtTrainer, fused AdamW; tokens/s = rows/s × row length (every position "
+             "is a sample's token). MFU = tokens/s × (6·N + 12·L·h·s_eff) / (peak × GPUs): N the parameters in "
+             "matmuls (all but the input embedding, a lookup), s_eff = Σ len² / Σ len over the packed samples (a "
+             "token attends over its own sample's len tokens: 12·L·h·len FLOPs). The last MFU column counts every "
+             "parameter in 6·N, as the QA rows do.", "",
+             "| GPUs | rows × tokens per GPU | attention | checkpointing | tokens/s | MFU | MFU (6·N all "
+             "parameters) | peak CUDA GiB | final loss | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(f"| {row['ranks']} | | | | | | | | | {row['status']} |")
+            continue
+        mfu = (f"**{row['mfu']:.3f}**", f"{row['mfu_all_parameters']:.3f}") if "mfu" in row else ("", "")
+        lines.append(f"| {row['ranks']} | {row['batch_size']} × {row['seq_length']} | "
+                     f"{row['attn_implementation']} | {'yes' if row['gradient_checkpointing'] else 'no'} | "
+                     f"{row['tokens_per_second']:.0f} | {mfu[0]} | "
+                     f"{mfu[1]} | {row['peak_cuda_bytes'] / GIB:.1f} | {row['losses'][-1]:.4f} | "
+                     f"{row.get('note', 'ok')} |")
+    lines += [""] + [f"- {row['ranks']} GPU{'s' if row['ranks'] > 1 else ''}: {causal_lm_line(row)}" for row in done]
+    return lines + [""]
 
 
 def write_figure(path: Path, rows: list[dict], meta: dict) -> None:
@@ -282,6 +438,17 @@ def versions() -> dict:
     return found
 
 
+def run_timed(config: Config, precision: str, ranks: int, args, root: Path) -> dict:
+    try:
+        return run_once(config, precision, ranks, args, root)
+    except subprocess.TimeoutExpired:
+        return {"failed": f"no result within --run_timeout {args.run_timeout:g} s", "wall_seconds": args.run_timeout}
+
+
+def out_of_memory(run: dict) -> bool:
+    return "failed" in run and "out of memory" in (run.get("log", "") + run["failed"]).lower()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_config", choices=sorted(SHAPES), default="bert-large-qa")
@@ -298,6 +465,19 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", metavar="NAME", help="run the first row whose name holds NAME with "
                                                           "torch.profiler over 3 steps; print its tables")
     parser.add_argument("--results", default=str(HERE / "results" / "gpu.md"))
+    parser.add_argument("--clm_model_config", choices=sorted(CAUSAL_LM_SHAPES), default="llama-1b",
+                        help="the causal-LM row's Llama shape")
+    parser.add_argument("--clm_seq_length", type=int, default=2048, help="the causal-LM row's packed row length")
+    parser.add_argument("--clm_sample_lengths", type=int, nargs=2, default=(64, 1024), metavar=("MIN", "MAX"),
+                        help="the causal-LM row's sample lengths, drawn from MIN..MAX (seeded)")
+    parser.add_argument("--clm_batch_size", type=int, help="rows per GPU (default: the largest the memory planner "
+                                                           "fits in 80%% of the GPU; on CPU 2)")
+    parser.add_argument("--clm_gradient_checkpointing", action="store_true",
+                        help="checkpoint (default: only where the planner fits fewer than 4 rows without)")
+    parser.add_argument("--clm_attention", help="attn_implementation (default: flash_attention_2 where flash-attn is "
+                                                "installed, else sdpa)")
+    parser.add_argument("--peak_tflops", type=float, help="the device's dense peak for the precision, for MFU "
+                                                          "(default: from the device's name, see backends.PEAK_FLOPS)")
     parser.add_argument("--allow_cpu", action="store_true", help=argparse.SUPPRESS)  # the CPU test of this script
     args = parser.parse_args(argv)
 
@@ -314,6 +494,15 @@ def main(argv=None) -> int:
     configs = [c for c in CONFIGS
                if not args.only or any(s == c.name if s in names else s in c.name for s in args.only)]
     runs = [(c, p, r) for c, p, r in plan_runs(configs, rank_counts) if not args.precision or p in args.precision]
+    if any(c.task == "causal_lm" for c, _, _ in runs):
+        if args.clm_batch_size is None and torch.cuda.is_available():
+            memory = torch.cuda.get_device_properties(0).total_memory
+            args.clm_batch_size, checkpointing, why = causal_lm_batch(args, memory)
+            args.clm_gradient_checkpointing = args.clm_gradient_checkpointing or checkpointing
+            print(f"causal LM: {args.clm_batch_size} rows of {args.clm_seq_length} tokens per GPU, gradient "
+                  f"checkpointing {'on' if args.clm_gradient_checkpointing else 'off'} ({why})", flush=True)
+        args.clm_batch_size = args.clm_batch_size or 2
+
     if args.profile:
         config, precision, ranks = next(((c, p, r) for c, p, r in runs if args.profile in c.name), (None, None, None))
         if config is None:
@@ -332,7 +521,7 @@ def main(argv=None) -> int:
     meta = {"model_config": args.model_config, "device": f"{gpus} × {device}", "steps": args.steps,
             "warmup": args.warmup, "seq_length": args.seq_length, "batch_size": args.batch_size,
             "started": started, "prebuild": prebuild, "results": args.results, **versions(),
-            "num_parameters_text": f"BERT {args.model_config}"}
+            "num_parameters_text": f"BERT {args.model_config}", "only": args.only}
     rows, walls = [], []
     for config, precision, ranks in runs:
         row = {"name": config.name, "precision": precision, "ranks": ranks}
@@ -343,19 +532,27 @@ def main(argv=None) -> int:
         elif elapsed + estimate > args.budget_minutes * 60:
             row["status"] = f"not run: --budget_minutes {args.budget_minutes:g} reached"
         else:
-            try:
-                run = run_once(config, precision, ranks, args, root)
-            except subprocess.TimeoutExpired:
-                run = {"failed": f"no result within --run_timeout {args.run_timeout:g} s",
-                       "wall_seconds": args.run_timeout}
+            run = run_timed(config, precision, ranks, args, root)
             walls.append(run["wall_seconds"])
+            note = None
+            if config.task == "causal_lm" and out_of_memory(run) and args.clm_batch_size > 1 and (
+                    time.perf_counter() - clock + run["wall_seconds"] < args.budget_minutes * 60):
+                note = f"batch halved from {args.clm_batch_size}: out of CUDA memory"
+                print(f"{config.name}: {note}", flush=True)
+                args.clm_batch_size //= 2
+                run = run_timed(config, precision, ranks, args, root)
+                walls.append(run["wall_seconds"])
             row = summarise(config, precision, ranks, run, args, device)
+            if note:
+                row["note"] = note
             if "log" in run:
                 print(run["log"], file=sys.stderr)
         rows.append(row)
         shown = f"{row['samples_per_second']:.1f} samples/s" if row.get("status") == "ok" else row["status"]
+        if row.get("status") == "ok" and config.task == "causal_lm":
+            shown = causal_lm_line(row)
         print(f"{config.name} ({precision}, {ranks} GPU): {shown}", flush=True)
-        if "num_parameters" in row:
+        if "num_parameters" in row and config.task == "qa":
             meta["num_parameters_text"] = f"BERT {args.model_config} ({row['num_parameters'] / 1e6:.1f}M parameters)"
         meta["minutes"] = (time.perf_counter() - clock) / 60
         write_results(Path(args.results), rows, meta)  # after every row: a cut-short run still leaves its tables
