@@ -21,7 +21,7 @@ commands:
                                  [--nproc_per_node N] [--parallel_trials N] [--max_trials N] [--study_dir DIR]
                                  [--keep_checkpoints] [--check] [--FIELD VALUE ...]   (flags: every trial)
   build-ops   build DeepSpeed's ops ahead of the first run (once per environment; minutes each)
-              trainer-ext build-ops
+              trainer-ext build-ops [--only OP ...]
   merge       fold a LoRA adapter (a run's output or checkpoint) into its base model: a plain model folder
               trainer-ext merge ADAPTER_DIR --output_dir DIR [--base_model PATH] [--dtype float32|bfloat16|float16]
   plan        predict per-rank memory of every backend and name the cheapest that fits a device
@@ -298,18 +298,22 @@ def build_ops(argv: list[str]) -> int:
 
     from .backends.deepspeed import INSTALL
 
-    argparse.ArgumentParser(prog="trainer-ext build-ops", allow_abbrev=False,
-                            description="Build DeepSpeed's JIT ops (its CPU all-reduce, FusedAdam, CPU Adam) into "
-                                        "this environment, so no DeepSpeed run builds them silently first. Once per "
-                                        "environment; they go to $TORCH_EXTENSIONS_DIR, else torch's "
-                                        "~/.cache/torch_extensions.").parse_args(argv)
+    parser = argparse.ArgumentParser(prog="trainer-ext build-ops", allow_abbrev=False,
+                                     description="Build DeepSpeed's JIT ops (its CPU all-reduce, FusedAdam, CPU Adam) "
+                                                 "into this environment, so no DeepSpeed run builds them silently "
+                                                 "first. Once per environment; they go to $TORCH_EXTENSIONS_DIR, else "
+                                                 "torch's ~/.cache/torch_extensions.")
+    parser.add_argument("--only", nargs="+", metavar="OP",
+                        help="build only these (deepspeed_shm_comm, fused_adam, cpu_adam): e.g. cpu_adam when every "
+                             "run offloads its optimizer")
+    args = parser.parse_args(argv)
     if importlib.util.find_spec("deepspeed") is None:
         print(f"trainer-ext build-ops: error: DeepSpeed is not installed, so it has no ops to build: {INSTALL}",
               file=sys.stderr)
         return 2
     from .ops import build_ops as build
 
-    return build()
+    return build(only=args.only)
 
 
 def merge(argv: list[str]) -> int:

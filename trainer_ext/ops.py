@@ -170,9 +170,9 @@ def announce_builds(config: dict) -> list[str]:
     return said
 
 
-def build_ops(out=None) -> int:
+def build_ops(out=None, only=None) -> int:
     """`trainer-ext build-ops`: build (or load, when built already) every op of DEFAULT_BUILDERS this machine's DeepSpeed
-    can build, with what each took; 0 when all are ready, 1 when a build failed."""
+    can build (`only`: those of these names), with what each took; 0 when all are ready, 1 when a build failed."""
     from .cuda_arch import prepare_for_deepspeed
     from .leftovers import clear_stale_build_locks
 
@@ -182,6 +182,16 @@ def build_ops(out=None) -> int:
     if not cpu:
         prepare_for_deepspeed()  # a TORCH_CUDA_ARCH_LIST DeepSpeed's builder can read
     builders = op_builders(DEFAULT_BUILDERS)
+    if only:
+        from .errors import ArgumentsError, closest
+
+        names = [builder.NAME for builder in builders]
+        unknown = [name for name in only if name not in names]
+        if unknown:
+            hints = [f"{name} (did you mean {closest(name, names)}?)" if closest(name, names) else name
+                     for name in unknown]
+            raise ArgumentsError(f"--only {', '.join(hints)}: not one of this machine's ops: {', '.join(names)}")
+        builders = [builder for builder in builders if builder.NAME in only]
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or f"{build_folder('x').parent} (set TORCH_EXTENSIONS_DIR to move it)"
     print(f"DeepSpeed's ops for this machine ({'CPU' if cpu else 'GPU'} ranks), built in {root}:", file=out, flush=True)
     failed = 0
@@ -208,7 +218,8 @@ def build_ops(out=None) -> int:
     if failed:
         print(f"{failed} op(s) failed to build: a DeepSpeed run that needs them would fail the same way", file=out)
         return 1
-    print("every op is built: DeepSpeed runs in this environment start without building", file=out)
+    print("the ops named are built: a DeepSpeed run that needs no other starts without building" if only else
+          "every op is built: DeepSpeed runs in this environment start without building", file=out)
     return 0
 
 

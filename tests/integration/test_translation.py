@@ -1,4 +1,4 @@
-"""Translation: the BLEU metric, and examples/run_translation.py as real processes (one process, DeepSpeed ZeRO-2
+"""Translation: the BLEU metric, and examples/run_translation.py as real processes (one process, DeepSpeed ZeRO-3
 and FairScale sharded DDP on 2 CPU ranks), its tokenization cache and config-built models."""
 
 import json
@@ -58,7 +58,6 @@ def runs(tmp_path_factory):
               "--max_train_samples", 64, "--per_device_train_batch_size", 8, "--learning_rate", 3e-4, cache=cache)
     trained = ["--model_name_or_path", root / "single", "--evaluate_before_training", "--do_train", "--do_eval",
                "--max_steps", 2, "--max_train_samples", 32, "--per_device_train_batch_size", 4]
-    translate("deepspeed", root / "zero2", *trained, "--deepspeed", "zero2_minimal", cache=cache)
     translate("deepspeed", root / "zero3", *trained, "--deepspeed", "zero3", cache=cache)
     translate("launch", root / "sharded", *trained, "--sharded_ddp", "simple", cache=cache)
     return root
@@ -106,11 +105,12 @@ def test_single_process_generates_and_scores(runs):
 @pytest.mark.model_package
 @pytest.mark.deepspeed
 @pytest.mark.launch
-@pytest.mark.parametrize("backend", ["zero2", "zero3", "sharded"])
+@pytest.mark.parametrize("backend", ["zero3", "sharded"])
 def test_two_ranks_generate_what_one_process_generates(runs, backend):
-    """If this fails, generation on 2 ranks (DeepSpeed ZeRO-2 or ZeRO-3, sharded DDP) returns predictions out of dataset
-    order, with the padding duplicates, or different from one process for the same weights. Under ZeRO-3 both ranks
-    must keep generating until the longest sequence ends (synced_gpus), or the other rank hangs in a gather."""
+    """If this fails, generation on 2 ranks (DeepSpeed ZeRO-3, sharded DDP) returns predictions out of dataset order,
+    with the padding duplicates, or different from one process for the same weights. Under ZeRO-3 both ranks must keep
+    generating until the longest sequence ends (synced_gpus), or the other rank hangs in a gather. (ZeRO-2 generates
+    through the same gather as sharded DDP, with whole weights: its run was dropped for CI's time.)"""
     single, launched = runs / "single", runs / backend
     assert generated(launched, "generated_eval_before.txt") == generated(single, "generated_eval.txt")
     assert results(launched, "eval_before")["eval_before_bleu"] == pytest.approx(results(single, "eval")["eval_bleu"])

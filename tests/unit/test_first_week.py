@@ -570,16 +570,19 @@ def test_a_run_that_would_build_an_op_says_so_and_build_ops_builds_them_ahead(tm
 
     from trainer_ext import ops
 
-    config = {"optimizer": {"type": "AdamW"}}
+    config = {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     assert ops.announce_builds(config) == []  # built in this environment
-    code, out, _ = cli(capsys, "build-ops")
-    assert code == 0 and "fused_adam: built already, loading" in out and "every op is built" in out
+    code, out, _ = cli(capsys, "build-ops", "--only", "cpu_adam", "deepspeed_shm_comm")
+    assert code == 0 and "cpu_adam: built already, loading" in out and "the ops named are built" in out
+    assert "fused_adam" not in out
+    code, _, err = cli(capsys, "build-ops", "--only", "cpu_adm")
+    assert code == 2 and "--only cpu_adm (did you mean cpu_adam?): not one of this machine's ops" in err
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(ops, "_ANNOUNCED", set())
     said = ops.announce_builds(config)
     assert [line.split(" op ")[0] for line in said] == ["DeepSpeed builds its deepspeed_shm_comm",
-                                                        "DeepSpeed builds its fused_adam"]
-    assert f"(into {tmp_path / 'fused_adam'}), about 4 min on 2 busy CPU cores" in said[1]
+                                                        "DeepSpeed builds its cpu_adam"]
+    assert f"(into {tmp_path / 'cpu_adam'}), about 2 min on 2 busy CPU cores" in said[1]
     assert "`trainer-ext build-ops` builds DeepSpeed's ops ahead of a run" in said[1]
     assert ops.announce_builds(config) == []  # once per process
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")  # torch's own default folder, as torch computes it
