@@ -271,12 +271,12 @@ def test_single_process_trains_and_reports_em_f1(single_trained):
 @pytest.mark.model_package
 @pytest.mark.deepspeed
 @pytest.mark.launch
-@pytest.mark.parametrize("launcher, backend", [("deepspeed", ["--deepspeed", "zero2_minimal"]),
-                                               ("deepspeed", ["--deepspeed", "zero3"]),
+@pytest.mark.parametrize("launcher, backend", [("deepspeed", ["--deepspeed", "zero3"]),
                                                ("launch", ["--sharded_ddp", "simple"])])
 def test_two_ranks_evaluate_exactly_like_one_process(single_trained, tmp_path, launcher, backend):
     """Gathering the 2 ranks' logits would reorder, drop or repeat features: EM/F1 would differ from 1 process. Under
-    ZeRO-3 the evaluation before training runs our inference engine (parameters partitioned, gathered per layer)."""
+    ZeRO-3 the evaluation before training runs our inference engine (parameters partitioned, gathered per layer).
+    (ZeRO-2 evaluates whole weights through the same gather as `simple`: its case was dropped for CI's time.)"""
     output_dir, _ = single_trained
     run_qa(launcher, tmp_path / "out", "--model_name_or_path", output_dir, "--evaluate_before_training",
            "--do_train", "--do_eval", "--max_steps", 2, "--per_device_train_batch_size", 4, *backend,
