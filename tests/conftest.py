@@ -226,6 +226,20 @@ def pytest_report_header(config):
     return "versions: " + ", ".join(found)
 
 
+def scratch(request, name) -> Path:
+    """A new folder for a module's shared runs, removed when the fixture's scope ends (a full run once left 18 GB of
+    checkpoints behind and filled CI's disk); kept when a test of this worker failed, to be read. Tests' own tmp_path
+    folders go the same way (pytest.ini: tmp_path_retention_policy = failed)."""
+    path = request.getfixturevalue("tmp_path_factory").mktemp(name)
+
+    def remove():
+        if request.session.testsfailed == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+    request.addfinalizer(remove)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, PYTHON, REPO, free_port, run, run_forked, run_many, selected, tiny_bert
+from conftest import BIN, PYTHON, REPO, free_port, run, run_forked, run_many, scratch, selected, tiny_bert
 from trainer_ext import ArgumentsError, ExtTrainingArguments
 from trainer_ext import ExtArgumentParser
 from trainer_ext.backends.fairscale import parse_options as parse_sharded_ddp
@@ -189,10 +189,10 @@ def test_a_parse_that_passes_every_field_keeps_the_differs_from_default_rule(tmp
 
 
 @pytest.fixture(scope="module")
-def parse_failures(request, tmp_path_factory):
+def parse_failures(request):
     """parse_args.py on the selected cases of the two tests below, forked from one process that loaded its modules:
     " ".join(argv) -> CompletedProcess."""
-    root = tmp_path_factory.mktemp("parse")
+    root = scratch(request, "parse")
     cases = [*selected(request, "test_bad_flags_fail_at_parsing_with_exit_2", "argv"),
              *selected(request, "test_fp16_without_cuda_fails_before_work_suggesting_bf16", "argv")]
     return run_forked({" ".join(argv): ([PYTHON, SCRIPT, "--output_dir", root / str(number), *argv], None)

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import (BIN, EXAMPLES, PYTHON, REPO, TINY_COMMON, clean_env, free_port, launch, launcher, logged,
-                      rank_process, run, run_forked)
+                      rank_process, run, run_forked, scratch)
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed,
               pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft (pip install -e '.[test]')")]
@@ -51,8 +51,8 @@ def results(output_dir, name="eval"):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("clm")
+def runs(request):
+    root = scratch(request, "clm")
     env = {"TRAINER_EXT_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1"}
     singles = {name: ([PYTHON, CLM, "--output_dir", root / name, *flags, "--per_device_train_batch_size", 8], env)
                for name, flags in (("single_lora", LORA), ("single_packed", PACKED))}

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import BIN, run_forked
+from conftest import BIN, run_forked, scratch
 
 CLI = BIN / "trainer-ext"
 
@@ -49,9 +49,9 @@ COMMANDS = {
 
 
 @pytest.fixture(scope="module")
-def ran(request, tmp_path_factory):
+def ran(request):
     """key -> CompletedProcess of the COMMANDS of this module's selected tests."""
-    bad = tmp_path_factory.mktemp("cli") / "bad.json"
+    bad = scratch(request, "cli") / "bad.json"
     bad.write_text('{"zero_optimization": {"stage": 2}')
     names = {item.originalname for item in request.session.items if item.module is request.module}
     return run_forked({key: ([CLI, *[bad if word == BAD_FILE else word for word in argv]], None)

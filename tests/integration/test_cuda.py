@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_TRAIN, launch, logged, requires_cuda
+from conftest import TINY_TRAIN, launch, logged, requires_cuda, scratch
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
 
@@ -29,9 +29,9 @@ def train(kind, output_dir, *flags, env=None):
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory):
+def plain(request):
     """plain(precision) -> output_dir of plain ExtTrainer (DDP on 2 GPUs) in that precision, trained once."""
-    root = tmp_path_factory.mktemp("plain")
+    root = scratch(request, "plain")
 
     def output_dir(precision):
         if not (root / precision / "trainer_state.json").is_file():

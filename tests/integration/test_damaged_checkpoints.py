@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import BIN, PYTHON, TINY_TRAIN, free_port, max_weight_difference, run
+from conftest import BIN, PYTHON, TINY_TRAIN, free_port, max_weight_difference, run, scratch
 from trainer_ext.checkpoint import newest_valid_checkpoint
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
@@ -43,9 +43,9 @@ def train(output_dir, backend, max_steps, *flags, check=True):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(request):
     """6 steps per backend, checkpoints at 2, 4 and 6; the single process's also uploaded to root/remote."""
-    root = tmp_path_factory.mktemp("uninterrupted")
+    root = scratch(request, "uninterrupted")
     for backend in FILES:
         train(root / backend, backend, 6, *(["--checkpoint_uri", root / "remote"] if backend == "single" else []))
     return root

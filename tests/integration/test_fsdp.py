@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import (BIN, PYTHON, REPO, TINY_COMMON, TINY_TRAIN, clean_env, free_port, logged, max_weight_difference,
-                      rank_process, run, weights)
+                      rank_process, run, scratch, weights)
 from trainer_ext.checkpoint import MARKER
 from trainer_ext.errors import ArgumentsError
 
@@ -50,10 +50,10 @@ def assert_same_run(base, other, first_step=1):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request):
     """One process without FSDP, and FSDP2 on 2 ranks loading partitioned with each rank's bytes reported: the same
     10 steps."""
-    root = tmp_path_factory.mktemp("fsdp")
+    root = scratch(request, "fsdp")
     train(root / "single", 1, "--predict")
     train(root / "fsdp", 2, *PARTITIONED, "--predict", "--report_dir", root / "fsdp" / "report")
     return root

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from conftest import TINY_LLM, copy_checkpoint, launch, logged, max_weight_difference
+from conftest import TINY_LLM, copy_checkpoint, launch, logged, max_weight_difference, scratch
 
 pytestmark = [pytest.mark.launch,
               pytest.mark.skipif(importlib.util.find_spec("trl") is None or importlib.util.find_spec("peft") is None,
@@ -27,9 +27,9 @@ def results(output_dir, name):
 
 
 @pytest.fixture(scope="module")
-def smoothed(tmp_path_factory):
+def smoothed(request):
     """One process, uninterrupted; then 2 ranks continuing its checkpoint-4 to step 9 (same global batch)."""
-    root = tmp_path_factory.mktemp("smoothed")
+    root = scratch(request, "smoothed")
     launch("single", root / "single", *SMOOTHED, "--per_device_train_batch_size", 4, script=TINY_LLM)
     resumed = copy_checkpoint(root / "single", 4, root / "resumed")
     launch("torchrun", resumed, *SMOOTHED, "--per_device_train_batch_size", 2, script=TINY_LLM)

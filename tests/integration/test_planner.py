@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, PYTHON, REPO, TINY_LLM, free_port, launcher, run, run_many, selected
+from conftest import BIN, PYTHON, REPO, TINY_LLM, free_port, launcher, run, run_many, scratch, selected
 
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -387,10 +387,10 @@ def missing_library(run_name: str) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def measured_runs(request, tmp_path_factory):
+def measured_runs(request):
     """The tiny Llama trained 2 steps on packed rows of 48 tokens (4 a rank) under each selected backend, two
     processes at a time; each rank's bytes at step 2 in <run>/report/rank<R>.json."""
-    root = tmp_path_factory.mktemp("planner")
+    root = scratch(request, "planner")
     commands = {}
     for name in selected(request, "test_prediction_is_within_5_percent_of_what_each_rank_holds", "run_name"):
         if missing_library(name):

@@ -3,7 +3,7 @@ settings printed once, and `--report_to tensorboard` writing event files."""
 
 import pytest
 
-from conftest import launch
+from conftest import launch, scratch
 
 pytestmark = [pytest.mark.launch, pytest.mark.model_package]
 
@@ -11,8 +11,8 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def zero2_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("progress")
+def zero2_run(request):
+    root = scratch(request, "progress")
     out = launch("deepspeed", root / "out", "--do_train", "--max_steps", STEPS, "--per_device_train_batch_size", 4,
                  "--deepspeed", "zero2_minimal", "--save_strategy", "no", "--report_to", "tensorboard",
                  "--disable_tqdm", "false")  # transformers 5 writes events under output_dir/runs/

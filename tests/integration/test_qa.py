@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BIN, PYTHON, REPO, free_port, run
+from conftest import BIN, PYTHON, REPO, free_port, run, scratch
 
 from trainer_ext.errors import ArgumentsError
 from trainer_ext.tasks.qa import (DataArguments, example_nbest, exact_match_score, f1_score, gold_answers,
@@ -247,9 +247,9 @@ def results(output_dir, prefix):
 
 
 @pytest.fixture(scope="module")
-def single_trained(tmp_path_factory):
+def single_trained(request):
     """One process trains 6 steps from the shipped MiniLM and evaluates before and after."""
-    root = tmp_path_factory.mktemp("qa_single")
+    root = scratch(request, "qa_single")
     out = run_qa("single", root / "out", "--do_train", "--do_eval", "--evaluate_before_training", "--max_steps", 6,
                  "--per_device_train_batch_size", 8, "--learning_rate", 1e-4, cache=root / "cache")
     return root / "out", out

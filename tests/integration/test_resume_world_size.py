@@ -5,7 +5,7 @@ of CPU more per run); the checkpoint is the deepspeed launcher's, and test_train
 
 import pytest
 
-from conftest import ACCUMULATE, assert_continues, copy_checkpoint, launch, logged
+from conftest import ACCUMULATE, assert_continues, copy_checkpoint, launch, logged, scratch
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed, pytest.mark.model_package]
 
@@ -13,10 +13,10 @@ ZERO2 = ["--deepspeed", "zero2_minimal"]
 
 
 @pytest.fixture(scope="module")
-def on_one_rank(accumulate_runs, tmp_path_factory):
+def on_one_rank(request, accumulate_runs):
     """The 2-rank run's checkpoint-6 resumed on 1 rank to step 12 (8 x 2 accumulation on 1 rank = 4 x 2 x 2 ranks),
     saving 1-rank checkpoints at 9 and 12 (the checkpoint's save_steps); returns its output_dir and log."""
-    resumed = copy_checkpoint(accumulate_runs / "zero2", 6, tmp_path_factory.mktemp("world-size") / "one-rank")
+    resumed = copy_checkpoint(accumulate_runs / "zero2", 6, scratch(request, "world-size") / "one-rank")
     out = launch("torchrun", resumed, *ACCUMULATE, "--per_device_train_batch_size", 8, *ZERO2, "--save_strategy",
                  "steps", "--save_steps", 3, ranks=1)
     assert sorted(p.name for p in resumed.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-6", "checkpoint-9"]

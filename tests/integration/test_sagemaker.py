@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (BIN, REPO, _check_markers, clean_env, free_port, logged, max_weight_difference, run,
+from conftest import (BIN, REPO, _check_markers, clean_env, free_port, logged, max_weight_difference, run, scratch,
                       tiny_bert)
 
 from trainer_ext import sagemaker
@@ -89,9 +89,9 @@ SPOT = {"do_train": True, "eval_samples": 64, "max_steps": STEPS, "save_steps": 
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(request):
     """The spot job's hyperparameters, never stopped: 120 steps on 2 ranks, checkpoints every 40."""
-    root = tmp_path_factory.mktemp("uninterrupted")
+    root = scratch(request, "uninterrupted")
     run_job(root, TINY_TRAIN, SPOT)
     return root
 

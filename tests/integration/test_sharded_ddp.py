@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import (ACCUMULATE, PLAIN, PYTHON, REPO, STEPS, TINY_TRAIN, assert_same_training, free_port, launch,
-                      logged, max_weight_difference, run, run_many, selected)
+                      logged, max_weight_difference, run, run_many, scratch, selected)
 from trainer_ext.backends.fairscale import check_machine as check_sharded_ddp_machine
 from trainer_ext.errors import ArgumentsError
 
@@ -19,8 +19,8 @@ SCRIPT = REPO / "tests" / "scripts" / "parse_args.py"
 
 
 @pytest.fixture(scope="module")
-def simple_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("simple")
+def simple_runs(request):
+    root = scratch(request, "simple")
     launch("launch", root / "plain", *PLAIN, "--per_device_train_batch_size", 8, "--sharded_ddp", "simple")
     launch("torchrun", root / "accumulate", *ACCUMULATE, "--per_device_train_batch_size", 4, "--sharded_ddp",
            "simple", "--save_strategy", "steps", "--save_steps", 6)
@@ -122,9 +122,9 @@ def test_simple_under_bf16_runs_the_forward_in_bf16_like_ddp(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def parsed_without_cuda(request, tmp_path_factory):
+def parsed_without_cuda(request):
     """parse_args.py with the selected options below, two at a time (each ends after parsing: one core)."""
-    root = tmp_path_factory.mktemp("fully-sharded")
+    root = scratch(request, "fully-sharded")
     cases = selected(request, "test_fully_sharded_options_fail_early_without_cuda", "options")
     return run_many({" ".join(options): ([PYTHON, SCRIPT, "--output_dir", root / str(number), "--sharded_ddp",
                                           *options], None) for number, options in enumerate(cases)})

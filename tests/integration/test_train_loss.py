@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import BIN, PYTHON, TINY_TRAIN, free_port, run
+from conftest import BIN, PYTHON, TINY_TRAIN, free_port, run, scratch
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
 
@@ -32,8 +32,8 @@ def train_loss(output_dir, backend, *flags):
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return train_loss(tmp_path_factory.mktemp("single"), "single", "--logging_steps", 5)
+def single(request):
+    return train_loss(scratch(request, "single"), "single", "--logging_steps", 5)
 
 
 # The three launcher runs of `make test-oldest`: torchrun (DDP), deepspeed (ZeRO-2), torch.distributed.launch (simple).

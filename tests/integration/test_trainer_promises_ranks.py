@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import (PYTHON, RECORD_ORDER, REPO, TINY_TRAIN, free_port, launcher, loaded, logged,
-                      max_weight_difference, run)
+                      max_weight_difference, run, scratch)
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
 
@@ -37,9 +37,9 @@ def losses(output_dir, step):
 
 
 @pytest.fixture(scope="module")
-def one_process_stream(tmp_path_factory):
+def one_process_stream(request):
     """10 steps of the stream in one process, global batch 16: what every rank count and backend must train."""
-    root = tmp_path_factory.mktemp("stream")
+    root = scratch(request, "stream")
     stream_run("single", root / "run", root / "records", "--stream", "torch", "--max_steps", 10, batch_size=16)
     return root / "run"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import BIN, PYTHON, REPO, free_port, run, tiny_bart_config
+from conftest import BIN, PYTHON, REPO, free_port, run, scratch, tiny_bart_config
 
 TRANSLATION = REPO / "examples" / "run_translation.py"
 EVAL_SAMPLES = 19  # odd, and 5 batches of 4 on 2 ranks: accelerate pads the last one with repeated samples
@@ -49,10 +49,10 @@ def bleu_of(output_dir, name):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request):
     """A short single-process fine-tuning, then ZeRO-2, ZeRO-3 and sharded DDP runs that start from its weights: their
     evaluation before training sees exactly the weights the single process ended with."""
-    root = tmp_path_factory.mktemp("translation")
+    root = scratch(request, "translation")
     cache = root / "datasets-cache"
     translate("single", root / "single", "--do_train", "--do_eval", "--evaluate_before_training", "--max_steps", 8,
               "--max_train_samples", 64, "--per_device_train_batch_size", 8, "--learning_rate", 3e-4, cache=cache)

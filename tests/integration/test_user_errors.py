@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from conftest import ACCUMULATE, GLUE_COMMON, PYTHON, REPO, TINY_TRAIN, copy_checkpoint, free_port, run, run_forked, selected
+from conftest import (ACCUMULATE, GLUE_COMMON, PYTHON, REPO, TINY_TRAIN, copy_checkpoint, free_port, run, run_forked,
+                      scratch, selected)
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed, pytest.mark.model_package]
 
@@ -59,10 +60,10 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def case_runs(request, tmp_path_factory):
+def case_runs(request):
     """The selected cases' processes, forked from one that loaded run_glue.py's modules (each ends at parsing or at the
     data and model checks: start-up was most of its time); case -> (its output_dir, CompletedProcess)."""
-    root, commands, output_dirs = tmp_path_factory.mktemp("cases"), {}, {}
+    root, commands, output_dirs = scratch(request, "cases"), {}, {}
     for number, case in enumerate(selected(request, "test_user_error_is_one_line_exit_2_nothing_written", "case")):
         flags, _, env = CASES[case]
         (root / str(number)).mkdir()
@@ -140,9 +141,9 @@ def contents(folder):
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_run(request):
     """A finished 2-step run of the config-built tiny BERT, a checkpoint per step."""
-    output_dir = tmp_path_factory.mktemp("tiny") / "run"
+    output_dir = scratch(request, "tiny") / "run"
     out = run([PYTHON, TINY_TRAIN, "--output_dir", output_dir, "--max_steps", 2, "--save_steps", 1,
                "--report_to", "none", "--per_device_train_batch_size", 8])
     assert out.returncode == 0, out.stderr[-3000:]

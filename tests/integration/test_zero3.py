@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from conftest import (ACCUMULATE, BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, TINY_TRAIN,
-                      assert_continues, assert_same_training, clean_env, copy_checkpoint, free_port, launch, logged,
-                      max_weight_difference, rank_process, run, weights)
+from conftest import (ACCUMULATE, BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, TINY_TRAIN, assert_continues,
+                      assert_same_training, clean_env, copy_checkpoint, free_port, launch, logged,
+                      max_weight_difference, rank_process, run, scratch, weights)
 from trainer_ext.deepspeed_config import (PRESETS, DeepSpeedConfigError, explain, finish_deepspeed_config,
                                           resolve_deepspeed_config)
 
@@ -129,10 +129,10 @@ def test_module_granularity_default_follows_where_the_ranks_run(deepspeed_accept
 
 
 @pytest.fixture(scope="module")
-def zero3_accumulate(tmp_path_factory):
+def zero3_accumulate(request):
     """ACCUMULATE under ZeRO-3 on 2 ranks (4 per rank x 2 accumulation), checkpoints every 3 steps (a resume keeps
     its checkpoint's save_steps, so the 1-rank continuation saves step 9 too)."""
-    root = tmp_path_factory.mktemp("zero3")
+    root = scratch(request, "zero3")
     launch("deepspeed", root / "run", *ACCUMULATE, "--per_device_train_batch_size", 4, *ZERO3, "--save_strategy",
            "steps", "--save_steps", 3)
     return root / "run"
@@ -213,9 +213,9 @@ def test_every_checkpoint_and_the_output_dir_hold_a_loadable_model(accumulate_ru
 
 
 @pytest.fixture(scope="module")
-def resumed_on_one_rank(zero3_accumulate, tmp_path_factory):
+def resumed_on_one_rank(request, zero3_accumulate):
     """checkpoint-6 of the 2-rank run resumed on 1 rank with the same global batch (it saves steps 9 and 12)."""
-    resumed = copy_checkpoint(zero3_accumulate, 6, tmp_path_factory.mktemp("zero3-2to1") / "run")
+    resumed = copy_checkpoint(zero3_accumulate, 6, scratch(request, "zero3-2to1") / "run")
     out = launch("torchrun", resumed, *ACCUMULATE, "--per_device_train_batch_size", 8, *ZERO3, "--save_strategy",
                  "steps", "--save_steps", 3, ranks=1)
     assert "saved on 2 ranks, resuming on 1" in out.stdout + out.stderr
@@ -244,12 +244,12 @@ def test_checkpoint_from_1_rank_resumes_on_2(zero3_accumulate, resumed_on_one_ra
 
 
 @pytest.fixture(scope="module")
-def preempted_then_rerun(tmp_path_factory):
+def preempted_then_rerun(request):
     """PLAIN under ZeRO-3 on 2 ranks, evaluating before training (an inference engine built and released before the
     training engine): SIGTERM to rank 1 after the first logged step, then the same command again."""
     from trainer_ext.checkpoint import newest_valid_checkpoint
 
-    root = tmp_path_factory.mktemp("zero3-sigterm")
+    root = scratch(request, "zero3-sigterm")
     output_dir = root / "run"
     command = [str(c) for c in [BIN / "deepspeed", "--num_gpus", 2, "--master_port", free_port(), GLUE,
                                 "--output_dir", output_dir, *GLUE_COMMON, *PLAIN, "--per_device_train_batch_size", 8,
@@ -318,10 +318,10 @@ def test_evaluation_before_training_equals_one_process(preempted_then_rerun, tmp
 # -- loading partitioned, tied weights, the planner ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def bert_folder(tmp_path_factory):
+def bert_folder(request):
     """A 6.6M-parameter BERT QA model saved with save_pretrained; its largest tensor is 4% of it, so a rank that
     loads only its part holds about 1/N."""
-    folder = tmp_path_factory.mktemp("bert") / "model"
+    folder = scratch(request, "bert") / "model"
     code = ("import torch, sys\nfrom transformers import BertConfig, BertForQuestionAnswering\ntorch.manual_seed(0)\n"
             "config = BertConfig(vocab_size=512, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,\n"
             "                    intermediate_size=1024, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)\n"
