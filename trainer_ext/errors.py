@@ -72,10 +72,12 @@ def user_errors(prog: str | None = None):
         raise SystemExit(2) from None
 
 
-def install_excepthook() -> None:
-    """The same boundary for a user's own script: a UserError nobody caught prints its one line and exits with status
-    2 (after the exit handlers ran: the process group is released as at a normal exit). Other exceptions, and every
-    exception in an interactive session (IPython shows its own), go to the hook that was there before. Idempotent."""
+def one_line_errors() -> None:
+    """For a user's own script (the CLI and the examples have `user_errors`): a UserError nobody caught prints its one
+    line and exits with status 2 (after the exit handlers ran: the process group is released as at a normal exit),
+    instead of a traceback on every rank. Other exceptions, and every exception in an interactive session (IPython
+    shows its own), go to the hook that was there before. Idempotent. ExtTrainer never installs it itself: a library
+    leaves the process's hooks as it found them; call it at the top of your script."""
     previous = sys.excepthook
     if getattr(previous, "trainer_ext", False):
         return

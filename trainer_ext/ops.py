@@ -45,6 +45,17 @@ def deepspeed_imported():
             os.environ.update({name: value for name, value in before.items() if os.environ.get(name) != value})
 
 
+def import_deepspeed_quietly() -> None:
+    """Where DeepSpeed is installed but does not train: import it now, as the Trainer's set-up would (accelerate
+    imports it whenever installed), without its "Setting accelerator to CPU" warning and leaving the environment
+    variables as they were (building ExtTrainer changes none)."""
+    import importlib.util
+
+    if "deepspeed" not in sys.modules and importlib.util.find_spec("deepspeed") is not None:
+        with deepspeed_imported():
+            import deepspeed  # noqa: F401 (imported for its side effects, under deepspeed_imported)
+
+
 _TAKEN_BACK: dict[str, str] = {}  # what DeepSpeed's import set and deepspeed_imported took back
 
 

@@ -190,6 +190,7 @@ class OutputDirLock:
                 return
 
     def release(self) -> None:
+        atexit.unregister(self.release)  # released: the process's exit handlers as they were before the run
         self._stop.set()
         self._held.pop(self.output_dir.resolve(), None)
         record = read_lock(self.output_dir)

@@ -24,7 +24,6 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from .backends import backend_classes
 from .backends.base import BackendFormula

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import weakref
 
-from .backends import Backend, backend_class, prepare_environment
+from .backends import Backend, backend_class
+from .ops import import_deepspeed_quietly
 from .runtime import cpu_ranks, form_one_rank_group, share_cores_between_cpu_ranks
 from .sagemaker import prepare_arguments as prepare_sagemaker_arguments
 from .sagemaker import prepare_environment as prepare_sagemaker_environment
@@ -15,17 +16,17 @@ _PREPARED: list[weakref.ref] = []  # the arguments this process is set up for (d
 
 
 def prepare_process(args) -> None:
-    """What training with `args` needs of this process, in one place: each installed backend library's variables
-    (DS_ACCELERATOR on a machine without a GPU), a SageMaker job's TensorBoard folder (and its model and checkpoint
+    """What training with `args` needs of this process, in one place: a SageMaker job's TensorBoard folder (and its model and checkpoint
     folders on stock TrainingArguments), each CPU rank's share of the cores, a 1-rank process group when no launcher
-    started a backend that needs one, the selected backend's own set-up (DeepSpeed: stale leftovers removed,
-    TORCH_CUDA_ARCH_LIST made readable, the group joined under ZeRO-3), and --checkpoint_uri taking a write (main
+    started a backend that needs one, DeepSpeed imported where installed (as accelerate would, without its warning or
+    variables), the selected backend's own set-up (DeepSpeed: DS_ACCELERATOR on a machine without a GPU, stale
+    leftovers removed, TORCH_CUDA_ARCH_LIST made readable, the group joined under ZeRO-3), and --checkpoint_uri taking a write (main
     process: one probe object, then deleted) before any model is loaded."""
     if args is None or any(ref() is args for ref in _PREPARED):
         return  # the recipes, sharded_loading and ExtTrainer each call it: the work is done once
-    prepare_environment()
     prepare_sagemaker_arguments(args)  # ExtTrainingArguments did when built; stock TrainingArguments did not
     prepare_sagemaker_environment()
+    import_deepspeed_quietly()
     if cpu_ranks(args):
         share_cores_between_cpu_ranks()
     backend = backend_class(args)

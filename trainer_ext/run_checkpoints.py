@@ -291,7 +291,6 @@ class RunCheckpoints(TrainerCallback):
         so far, the best checkpoint under its published path, the marker (published last, by rename), rotation, the
         remote copy."""
         trainer, state = self.trainer, self.trainer.state
-        name = staged.name
         position = trainer.training_order_state()
         if position is not None:
             (staged / DATA_STATE).write_text(json.dumps(position, indent=2) + "\n")

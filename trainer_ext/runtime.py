@@ -144,7 +144,13 @@ _TRAINERS = weakref.WeakSet()  # released before the process group at exit
 def release_at_exit(trainer) -> None:
     """Destroy the process group before interpreter teardown, then let each trainer's backend clean up after itself:
     left alive, the group's C++ threads can abort a rank that already finished ("terminate called without an active
-    exception", exit -6), failing a finished job."""
+    exception", exit -6), failing a finished job. Only where a process group exists (a launched rank, or a backend's
+    1-rank group): a trainer in a notebook or a single process leaves the exit handlers as it found them. Called when
+    the trainer is built and when it trains (a group may form in between); once per trainer."""
+    import torch
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or trainer in _TRAINERS:
+        return
     if not _TRAINERS:
         import atexit
 

@@ -21,7 +21,7 @@ from .checkpoint import AUTO, newest_valid_checkpoint, read_data_state, read_los
 from .data.loader import dataloader_with_batch_sampler, stream_dataloader
 from .data.samplers import ResumableBatchSampler, check_global_batch
 from .data.stream import TrainingStream, is_stream
-from .errors import UserError, install_excepthook
+from .errors import UserError
 from .losses import EvaluationLosses, NumItemsProbe, shifts_labels, sliced, takes_num_items, token_cross_entropy
 from .metrics_check import checked_compute_metrics
 from .output_dir import hold_output_dir, release_output_dir
@@ -48,13 +48,14 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
     - `optimizer_settings` / `scheduler_settings`: the optimizer and schedule, from flags by default.
 
     A mistake in what it is given raises a `trainer_ext.errors.UserError` (a ValueError; FileNotFoundError too for a
-    missing checkpoint); uncaught, it ends the script with its one line and exit status 2.
+    missing checkpoint); `trainer_ext.one_line_errors()` at the top of a script makes an uncaught one its one line and
+    exit status 2. Building it leaves the process's hooks, exit handlers and environment as they were (the process
+    group a launcher formed gets an exit handler that releases it before interpreter teardown).
     """
 
     def __init__(self, model=None, args=None, *positional, loss_fn: LossFn | None = None,
                  class_weights=None, optimizer_settings: OptimizerSettings | None = None,
                  scheduler_settings: SchedulerSettings | None = None, **kwargs):
-        install_excepthook()
         _check_trl_arguments(type(self), args)
         prepare_process(args)  # the process set-up the arguments leave to training (once: sharded_loading may have)
         self.backend = select_backend(args)
@@ -351,6 +352,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         with `Preempted` (exit status 128 + signal); running the same command again continues exactly."""
         self.training_already_complete, self._resume, self._learning_rate_in_use = None, None, None
         self.final_model_dir = None
+        release_at_exit(self)  # a process group formed since the trainer was built
         hold_output_dir(self)  # not the model's own folder, and no other run writing there (output_dir.py)
         try:
             return self.train_in_output_dir(resume_from_checkpoint, **kwargs)

@@ -331,12 +331,13 @@ def test_building_the_arguments_touches_nothing_stock_arguments_do_not(tmp_path)
     assert not any("group" in changed or changed["files"] for changed in report["stock"].values())
     ddp, zero2, again = report["prepare_process"]
     cores = len(os.sched_getaffinity(0))
-    # PYTORCH_NVML_BASED_CUDA_CHECK: DeepSpeed's import sets it; the config checks of the ZeRO arguments built above
-    # imported it and took it back, and a run's set-up gives it back (accelerate imports DeepSpeed in every run). A test
-    # worker that imported DeepSpeed before passes it on already set: then nothing changes.
-    assert ddp["env"].pop("PYTORCH_NVML_BASED_CUDA_CHECK", [None, "1"]) == [None, "1"]
-    assert ddp["env"] == {"DS_ACCELERATOR": [None, "cpu"], "OMP_NUM_THREADS": [None, str(max(1, cores // 2))]}
+    # A DDP run's set-up: only each CPU rank's share of the cores (LOCAL_SIZE=2 above). DeepSpeed is installed but
+    # does not train: neither its accelerator choice nor what its import sets (PYTORCH_NVML_BASED_CUDA_CHECK: the
+    # config checks of the ZeRO arguments built above imported it and took it back).
+    assert ddp["env"] == {"OMP_NUM_THREADS": [None, str(max(1, cores // 2))]}
+    # A ZeRO-2 run's: DeepSpeed's CPU accelerator, what its import set given back, a 1-rank group.
     assert {"RANK", "WORLD_SIZE", "MASTER_PORT"} <= zero2["env"].keys() and zero2["group"] == [False, True]
+    assert zero2["env"]["DS_ACCELERATOR"] == [None, "cpu"] and zero2["env"]["PYTORCH_NVML_BASED_CUDA_CHECK"][1] == "1"
     assert report["world_size"] == 1 and again == {"env": {}, "files": []}
 
 

@@ -185,10 +185,61 @@ def test_auto_find_batch_size_survives_a_finished_run_started_again(tmp_path):
     assert outcome.metrics.get("already_complete") and again._train_batch_size == found
 
 
+NOTEBOOK = """
+import atexit, json, os, sys
+live = []  # every exit handler registered from here on and not unregistered: module.qualname
+register, unregister = atexit.register, atexit.unregister
+def name(f):
+    return f"{getattr(f, '__module__', None)}.{getattr(f, '__qualname__', f)}"
+def tracked_register(f, *a, **k):
+    live.append(name(f))
+    return register(f, *a, **k)
+def tracked_unregister(f):
+    while name(f) in live:
+        live.remove(name(f))
+    return unregister(f)
+atexit.register, atexit.unregister = tracked_register, tracked_unregister
+sys.path[:0] = sys.argv[1].split(":")
+import test_trainer_promises as t
+from trainer_ext import ExtTrainer, ExtTrainingArguments
+
+def state():
+    return {"environ": dict(os.environ), "excepthook": repr(sys.excepthook), "atexit": sorted(live)}
+
+args = t.arguments(sys.argv[2] + "/ours", ExtTrainingArguments)
+before = state()
+ours = ExtTrainer(model=t.tiny_model(), args=args, train_dataset=t.rows())
+built = state()
+ours.train()
+trained = state()
+ours.train()  # again: nothing more
+json.dump(dict(before=before, built=built, trained=trained, again=state(), deepspeed="deepspeed" in sys.modules),
+          sys.stdout)
+"""
+
+
+@pytest.mark.launch
+def test_building_and_training_ext_trainer_leaves_the_process_as_it_was(tmp_path):
+    """Fails when building ExtTrainer in a notebook or a single process changes sys.excepthook, the exit handlers or
+    os.environ (DeepSpeed's import, installed but not training, included: the stock Trainer's build leaves
+    PYTORCH_NVML_BASED_CUDA_CHECK behind), or when training leaves an exit handler of trainer_ext's behind (the output
+    folder's lock unregisters its own; no process group, so none releases one)."""
+    done = run([sys.executable, "-c", NOTEBOOK, IMPORTABLE, tmp_path], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["deepspeed"]  # imported while building, as accelerate would
+    assert seen["built"] == seen["before"]
+    assert seen["trained"]["environ"] == seen["before"]["environ"]
+    assert seen["trained"]["excepthook"] == seen["before"]["excepthook"]
+    for after in (seen["trained"], seen["again"]):
+        assert not [name for name in after["atexit"] if name.startswith("trainer_ext")], after["atexit"]
+
+
 @pytest.mark.launch
 def test_user_errors_are_catchable_and_uncaught_exit_2_in_one_line(tmp_path):
     """Fails when a user's mistake ends a script or notebook with SystemExit (uncatchable by `except Exception`), or
-    when, uncaught, it ends a script with a traceback instead of one line and exit status 2."""
+    when, uncaught in a script that called trainer_ext.one_line_errors(), it ends with a traceback instead of one line
+    and exit status 2."""
     trainer = ExtTrainer(model=tiny_model(), args=arguments(tmp_path), train_dataset=rows())
     try:
         trainer.train(resume_from_checkpoint=str(tmp_path / "bogus"))
@@ -197,6 +248,7 @@ def test_user_errors_are_catchable_and_uncaught_exit_2_in_one_line(tmp_path):
     assert isinstance(caught, CheckpointNotFoundError) and "no such folder" in str(caught)
     script = tmp_path / "script.py"
     script.write_text("import sys; sys.path[:0] = sys.argv[1].split(':'); import test_trainer_promises as t; "
+                      "import trainer_ext; trainer_ext.one_line_errors(); "
                       "t.trained(sys.argv[2], resume=sys.argv[2] + '/bogus')\n")
     done = run([sys.executable, script, IMPORTABLE, tmp_path], timeout=300)
     assert done.returncode == 2

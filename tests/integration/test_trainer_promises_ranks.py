@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import (PYTHON, RECORD_ORDER, REPO, TINY_TRAIN, free_port, launcher, loaded, logged,
+from conftest import (PYTHON, RECORD_ORDER, REPO, TINY_TRAIN, free_port, launcher, loaded,
                       max_weight_difference, run, scratch)
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]

@@ -3,7 +3,6 @@ exit status 2 and no traceback, before anything is written (README: "When someth
 shows the traceback. Each case is a real process, as a user would meet it."""
 
 import hashlib
-import json
 import shutil
 
 import pytest
@@ -119,11 +118,22 @@ def test_cli_user_errors(command, phrase):
     assert out.returncode == 2 and phrase in out.stderr and "Traceback" not in out.stderr
 
 
-def test_own_script_with_stock_arguments_gets_the_same(tmp_path):
-    """ExtTrainer itself reports: a user's script with HfArgumentParser/TrainingArguments sees one line, exit 2."""
-    out = run([PYTHON, OWN, "--output_dir", tmp_path / "out", "--max_steps", 2, "--report_to", "none",
-               "--deepspeed", REPO / "ds_configs" / "zero2.json", "--use_cpu"])
-    assert out.returncode == 2 and "fp16 needs a CUDA device" in out.stderr and "Traceback" not in out.stderr
+@pytest.mark.parametrize("opted_in", [False, True], ids=["as written", "with one_line_errors()"])
+def test_own_script_with_stock_arguments_gets_the_same(tmp_path, opted_in):
+    """A user's script with HfArgumentParser/TrainingArguments: ExtTrainer raises its one line as an exception (the
+    library leaves the process's excepthook alone: Python's traceback ends with it, exit 1); with
+    trainer_ext.one_line_errors() at the top the script ends with the line alone and exit 2."""
+    flags = ["--output_dir", tmp_path / "out", "--max_steps", 2, "--report_to", "none", "--deepspeed",
+             REPO / "ds_configs" / "zero2.json", "--use_cpu"]
+    if opted_in:
+        opening = ("import runpy, sys, trainer_ext; trainer_ext.one_line_errors(); sys.argv = sys.argv[1:]; "
+                   "runpy.run_path(sys.argv[0], run_name='__main__')")
+        out = run([PYTHON, "-c", opening, OWN, *flags])
+        assert out.returncode == 2 and "fp16 needs a CUDA device" in out.stderr and "Traceback" not in out.stderr
+    else:
+        out = run([PYTHON, OWN, *flags])
+        assert out.returncode == 1 and "Traceback" in out.stderr, out.stderr[-3000:]
+        assert "DeepSpeedConfigError: " in out.stderr and "fp16 needs a CUDA device" in out.stderr
 
 
 def test_debug_variable_shows_the_traceback(tmp_path):

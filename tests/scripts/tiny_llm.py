@@ -16,7 +16,6 @@ train_results.json and trainer_state.json."""
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -40,8 +39,10 @@ mine, rest = own.parse_known_args()
 
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
-from trainer_ext import ExtArgumentParser, ExtTrainer, ExtTrainingArguments, exit_process, sharded_loading  # noqa: E402
+from trainer_ext import (ExtArgumentParser, ExtTrainer, ExtTrainingArguments, exit_process,  # noqa: E402
+                         one_line_errors, sharded_loading)
 
+one_line_errors()  # a user's mistake uncaught: its one line and exit status 2, not a traceback on every rank
 if mine.trl:
     from trl import SFTConfig, SFTTrainer
 

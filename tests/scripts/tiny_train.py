@@ -27,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from transformers import TrainerCallback  # noqa: E402
 
 from trainer_ext import (ExtArgumentParser, ExtTrainer, ExtTrainingArguments, exit_process,  # noqa: E402
-                         sharded_loading)
+                         one_line_errors, sharded_loading)
+
+one_line_errors()  # a user's mistake uncaught: its one line and exit status 2, not a traceback on every rank
 
 SHAPES = {  # dropout off: every backend and precision sees the same function
     "tiny": dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),

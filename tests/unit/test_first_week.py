@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from conftest import REPO, example, tiny_bart_config, tiny_bert, user_error, write_lines
+from conftest import REPO, tiny_bart_config, tiny_bert, user_error, write_lines
 from trainer_ext import ExtArgumentParser, ExtTrainer, ExtTrainingArguments
 from trainer_ext.errors import ArgumentsError, UserError
 

@@ -35,12 +35,6 @@ def checkpoint_state_patterns() -> list[str]:
     return [pattern for cls in backend_classes() for pattern in cls.checkpoint_state]
 
 
-def prepare_environment() -> None:
-    """What every installed backend library needs in the process environment, selected or not (prepare_process)."""
-    for cls in backend_classes():
-        cls.prepare_environment()
-
-
 def backend_class(args) -> type[Backend]:
     """The backend these arguments select (several selected is a problem `selection_problems` reports)."""
     classes = backend_classes()
@@ -63,4 +57,4 @@ def select_backend(args) -> Backend:
 
 
 __all__ = ["BACKENDS", "Backend", "backend_class", "backend_classes", "backend_flags", "checkpoint_state_patterns",
-           "owned_flags", "prepare_environment", "select_backend", "selection_problems"]
+           "owned_flags", "select_backend", "selection_problems"]

@@ -36,11 +36,6 @@ class Backend:
 
     # -- the arguments and the process (class level: before any trainer exists) ------------------------------------
     @classmethod
-    def prepare_environment(cls) -> None:
-        """Called by trainer_ext.prepare_process for every registered backend, selected or not: what this backend's
-        library needs in the process environment merely by being installed."""
-
-    @classmethod
     def missing_library(cls, args) -> str | None:
         """One line when this backend's library is not installed (before transformers or accelerate import it)."""
         import importlib.util

@@ -37,21 +37,6 @@ class DeepSpeedBackend(Backend):
     resumes_weights_only = False  # transformers resumes the engine from its own files only
 
     @classmethod
-    def prepare_environment(cls) -> None:
-        """accelerate imports DeepSpeed whenever it is installed (even for runs that do not use it), and DeepSpeed then
-        warns "Setting accelerator to CPU ... we were unable to detect it" on every machine without a GPU: a warning
-        that needs no action. DS_ACCELERATOR=cpu is DeepSpeed's own override for the choice it would make anyway,
-        unwarned."""
-        import os
-
-        from ..ops import restore_import_environment
-        from ..runtime import accelerator_available
-
-        if "DS_ACCELERATOR" not in os.environ and not accelerator_available():
-            os.environ["DS_ACCELERATOR"] = "cpu"
-        restore_import_environment()  # what DeepSpeed's import set, where a config check imported it first
-
-    @classmethod
     def prepare_arguments(cls, args) -> None:
         """Phase 1 of the translation (with DeepSpeed's own check of the file), before transformers builds its own
         DeepSpeed config from `args.deepspeed`."""
@@ -77,12 +62,19 @@ class DeepSpeedBackend(Backend):
     def prepare_process(cls, args) -> None:
         """Before DeepSpeed loads an op: no stale build locks or shared-memory buffers of killed jobs, a
         TORCH_CUDA_ARCH_LIST its op builder can read, the ops it will build said, and under ZeRO-3 DeepSpeed in the
-        process group."""
+        process group. On a machine without a GPU, DS_ACCELERATOR=cpu: DeepSpeed's own override for the choice it would
+        make anyway, without its "unable to detect" warning; and what DeepSpeed's import set, where a config check
+        imported it first and took it back."""
+        import os
+
         from ..cuda_arch import prepare_for_deepspeed
         from ..leftovers import clear_leftovers
-        from ..ops import announce_builds
-        from ..runtime import cpu_ranks
+        from ..ops import announce_builds, restore_import_environment
+        from ..runtime import accelerator_available, cpu_ranks
 
+        if "DS_ACCELERATOR" not in os.environ and not accelerator_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+        restore_import_environment()
         clear_leftovers()
         if not cpu_ranks(args):
             prepare_for_deepspeed()

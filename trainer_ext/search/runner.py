@@ -18,7 +18,7 @@ from .copies import fetch_checkpoint, upload_model
 from .launch import Launcher, device_slots, group_gone, start, stop, stop_and_wait, trial_environment
 from .report import keep_best, short, trial_outcome, write
 from .space import SearchSettings, trial_flags
-from .study import open_study, shown, storage, trial_id, with_sampler
+from .study import open_study, storage, trial_id, with_sampler
 from ..processes import alive, same_process, this_process
 from .workers import STOPPED, Heartbeat, StudyLock, Watch, this_worker
 
