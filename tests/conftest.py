@@ -406,6 +406,16 @@ class DataParallelWorld:
         return 0
 
 
+def signal_at_step(step: int, rank: int, signal_name: str = "SIGTERM") -> dict:
+    """clean_env() for a run whose rank `rank` sends itself `signal_name` when it ends optimizer step `step`
+    (tests/scripts/signal_at_step/sitecustomize.py): a preemption at the same step every run, on any machine."""
+    env = clean_env()
+    hook = str(REPO / "tests" / "scripts" / "signal_at_step")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [hook, env.get("PYTHONPATH")]))
+    env["TRAINER_EXT_TEST_SIGNAL"] = f"{step}:{rank}:{signal_name}"
+    return env
+
+
 def clean_env() -> dict:
     """This process's environment without the variables that would make a child think it is a rank."""
     return {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}

@@ -143,7 +143,7 @@ def test_a_flag_typed_at_its_default_conflicts_with_the_file(ran):
 def test_unknown_command_suggests_the_closest(ran):
     """A mistyped subcommand (ds-conifg) must exit 2 suggesting the right one."""
     out = ran["ds-conifg"]
-    assert out.returncode == 2 and "ds-config" in out.stderr
+    assert out.returncode == 2 and "unknown command 'ds-conifg', did you mean 'ds-config'?" in out.stderr
 
 
 def test_the_experiment_file_is_found_among_flags_before_it():

@@ -157,7 +157,7 @@ def test_cli_prints_table_and_names_the_cheapest_fit(minilm):
     (["--model", "MINILM", "--world_size", "2", "--device_memory", "lots"], "--device_memory 'lots'"),
     (["--model", "MINILM", "--world_size", "0"], "--world_size must be a positive integer"),
     (["--model", "CONFIG_T5", "--world_size", "2"], "model_type 't5'"),
-    (["--world_size", "2"], "--model"),
+    (["--world_size", "2"], "error: one of the arguments --model --num_parameters is required"),  # not the usage's
 ])
 def test_cli_errors_exit_2_naming_the_field(tmp_path, minilm, argv, expected):
     """A bad model path, size or count would crash with a traceback instead of naming the flag to fix."""

@@ -89,6 +89,18 @@ def test_zero2_resume_equals_uninterrupted_run(accumulate_runs, tmp_path):
     assert max_weight_difference(uninterrupted, resumed) < 1e-5
 
 
+def listening(port, process, timeout=300):
+    """Once something accepts connections on 127.0.0.1:port (or `process` ended, or the time is up)."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", int(port))) == 0:
+                return
+        time.sleep(0.05)
+
+
 def test_zero2_over_two_torchrun_nodes_matches_one_launcher(plain_runs, tmp_path):
     """Beyond one machine: two torchrun launchers (one per node) rendezvous on 127.0.0.1 and train the same."""
     port = free_port()
@@ -97,7 +109,7 @@ def test_zero2_over_two_torchrun_nodes_matches_one_launcher(plain_runs, tmp_path
     nodes = []
     for node_rank in (0, 1):
         if node_rank:
-            time.sleep(2)  # node 0's agent hosts the rendezvous store
+            listening(port, nodes[0])  # node 0's agent hosts the rendezvous store: node 1 starts once it is up
         cmd = [BIN / "torchrun", "--nnodes", 2, "--nproc_per_node", 1, "--node_rank", node_rank,
                "--master_addr", "127.0.0.1", "--master_port", port, GLUE, "--output_dir", output, *GLUE_COMMON,
                *flags]
