@@ -8,6 +8,8 @@ import inspect
 
 import torch
 
+from .integrations import internals
+
 IGNORE_INDEX = -100
 
 
@@ -98,7 +100,7 @@ class NumItemsProbe(torch.Tensor):
         if getattr(func, "__name__", None) in cls.PASSING:
             return super().__torch_function__(func, types, args, kwargs or {})
         cls.read = True
-        with torch._C.DisableTorchFunctionSubclass():  # the result is a plain tensor: the loss stays one
+        with internals.torch_function_subclass_disabled():  # the result is a plain tensor: the loss stays one
             return func(*args, **(kwargs or {}))
 
 

@@ -9,6 +9,7 @@ import numbers
 from pathlib import Path
 
 from .errors import UserError
+from .integrations import internals
 
 
 class MetricsError(UserError):
@@ -89,6 +90,6 @@ def save_training_so_far(trainer) -> str | None:
         return None
     folder = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
     if not folder.is_dir():  # as transformers saves at a step: the checkpoint, then on_save (which publishes it)
-        trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+        internals.save_checkpoint(trainer)
         trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state, trainer.control)
     return str(folder)

@@ -18,6 +18,7 @@ from .checkpoint import (AUTO, DATA_STATE, FRESH, LOSS_STATE, MARKER, NEWEST, Ch
                          check_compatible, damage, newest_valid_checkpoint, problem_with, publish, read_loss_sum,
                          relaid_weights, resume_request, rotate, staging_dir, valid_checkpoints)
 from .backends import backend_classes
+from .integrations import internals
 from .sagemaker import checkpoints_to_keep
 
 logger = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ class RunCheckpoints(TrainerCallback):
                 group["lr"] = rate
             if hasattr(scheduler, "lr_lambdas"):  # a scheduler started anew (weights only) counts from the resumed step
                 scheduler.last_epoch = step
-            scheduler._last_lr = list(rates)  # noqa: SLF001 (what get_last_lr() returns: the rate transformers logs)
+            internals.set_last_learning_rates(scheduler, rates)  # what get_last_lr() returns: the rate transformers logs
         else:
             rates = None
         if (changed or rates) and trainer.is_world_process_zero():
@@ -252,9 +253,9 @@ class RunCheckpoints(TrainerCallback):
         state.is_local_process_zero, state.is_world_process_zero = (trainer.is_local_process_zero(),
                                                                     trainer.is_world_process_zero())
         trainer.state = state
-        trainer._load_callback_state()  # stateful callbacks (early stopping, ...) as a resume restores them
+        internals.load_callback_state(trainer)  # stateful callbacks (early stopping, ...) as a resume restores them
         if self.args.auto_find_batch_size and state.train_batch_size:
-            trainer._train_batch_size = state.train_batch_size  # what transformers' resume restores too
+            internals.set_train_batch_size(trainer, state.train_batch_size)  # what transformers' resume restores too
         final = Path(self.args.output_dir)
         where = final if any(final.glob("model*.safetensors")) or any(final.glob("pytorch_model*.bin")) else checkpoint
         if trainer.is_world_process_zero():

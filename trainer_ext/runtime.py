@@ -163,11 +163,13 @@ def _release() -> None:
 
     import torch
 
+    from .integrations import internals
+
     # A wrapper or engine still referenced keeps the group alive past destroy_process_group, to be torn down
     # mid-interpreter-shutdown: drop the trainers' references first.
     backends = []
     for trainer in list(_TRAINERS):
-        trainer.model_wrapped = trainer.model
+        internals.set_wrapped_model(trainer, trainer.model)
         trainer.accelerator.free_memory()
         trainer.backend.drop_references(trainer)
         backends.append(trainer.backend)

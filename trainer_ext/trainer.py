@@ -1,7 +1,8 @@
 """ExtTrainer: the transformers Trainer with true losses on N ranks, one global batch order for every backend (also
 for streaming datasets), custom losses without subclassing, checkpoints published complete and resumed automatically
 after a restart, and the backend chosen once at construction. Everything here rides on the Trainer's public hooks; the
-four private methods it must override live in private_hooks.py."""
+four private methods it must override, and every other upstream internal it touches, are behind
+integrations/internals.py."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from .losses import EvaluationLosses, NumItemsProbe, shifts_labels, sliced, take
 from .metrics_check import checked_compute_metrics
 from .output_dir import hold_output_dir, release_output_dir
 from .preemption import Preempted, PreemptionCallback
-from .private_hooks import PrivateTrainerHooks
+from .integrations import internals
+from .integrations.internals import PrivateTrainerHooks
 from .run_checkpoints import RunCheckpoints, checkpoint_folder, weights_and_step
 from .sagemaker import save_final_model
 from .process_setup import prepare_process
@@ -128,7 +130,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         steps pass no count). No forward of its own: under ZeRO-3 a forward outside the engine cannot run."""
         # Under --torch_compile the probe's step runs the module torch.compile wrapped (`_orig_mod`, eagerly): traced
         # with the probe, the graph would be compiled twice (the probe, then plain tensors), minutes on a CPU.
-        eager = getattr(model, "_orig_mod", model)
+        eager = internals.uncompiled(model)
         loss, outputs = super().compute_loss(eager, inputs, True, NumItemsProbe.of(num_items_in_batch))
         self._model_uses_num_items = self._on_every_rank(NumItemsProbe.read)
         if self._model_uses_num_items:
@@ -215,7 +217,8 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             return self.optimizer
         model = model if model is not None else self.model
         if self.backend.wraps_before_optimizer:  # parameter sharding: optimize the shards it creates
-            model = self.model_wrapped = self.backend.wrap_model(self, model)
+            model = self.backend.wrap_model(self, model)
+            internals.set_wrapped_model(self, model)
         settings = self.optimizer_settings
         decay = set(self.get_decay_parameter_names(model))
         groups = [
@@ -237,7 +240,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             # the optimizer; None lets accelerate wrap it (DDP).
             wrapped = self.backend.wrap_model(self, model)
             if wrapped is not None:
-                self.model_wrapped = wrapped
+                internals.set_wrapped_model(self, wrapped)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -249,7 +252,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                                               num_warmup_steps=settings.warmup_for(num_training_steps),
                                               num_training_steps=num_training_steps,
                                               scheduler_specific_kwargs=settings.kwargs)
-            self._created_lr_scheduler = True
+            internals.mark_scheduler_created(self)
             # This run's hyperparameters per group, before a resume loads the checkpoint's over them (see
             # RunCheckpoints.continue_with_this_runs_settings).
             optimizer = optimizer if optimizer is not None else self.optimizer
@@ -272,7 +275,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             if args.max_steps <= 0:
                 raise UserError(f"the training set ({type(self.train_dataset).__name__}) is a stream with no length, so "
                                 "an epoch has no end: give --max_steps (the optimizer steps to train)")
-            order = TrainingStream(self.train_dataset, self._train_batch_size, **shape)
+            order = TrainingStream(self.train_dataset, internals.train_batch_size(self), **shape)
             if resume is not None:
                 how = order.resume(resume["step"], resume["state"], skipped_by_trainer=not args.ignore_data_skip)
                 if self.is_world_process_zero():
@@ -281,7 +284,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         else:
             check_global_batch(args, len(self.train_dataset), args.world_size)  # never the data repeated unasked
             order = ResumableBatchSampler(
-                len(self.train_dataset), self._train_batch_size, seed=args.data_seed if args.data_seed is not None
+                len(self.train_dataset), internals.train_batch_size(self), seed=args.data_seed if args.data_seed is not None
                 else args.seed, drop_last=args.dataloader_drop_last, **shape)
             if resume is not None and resume["state"] is not None:
                 for warning in order.load_state_dict(resume["state"]):
@@ -295,15 +298,16 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         """The sum of every step's training loss (each the mean over ranks) from step 1 to now, as the checkpoint saved
         now records it so that a resumed run's train_loss covers the whole run; None when a resumed checkpoint did not
         record its own. Every rank calls it (the loss not yet logged is gathered)."""
-        if not hasattr(self, "_tr_loss"):  # transformers' running sums of this train() call
+        sums = internals.loss_sums(self)  # transformers' running sums of this train() call
+        if sums is None:
             return None
         from transformers.trainer_pt_utils import nested_gather
 
-        unlogged = self._tr_loss
+        unlogged, logged = sums
         if self.args.world_size > 1:
             unlogged = nested_gather(unlogged, self.args.parallel_mode).mean()
         earlier = self._resume["loss_sum"] if self._resume is not None else 0.0
-        return None if earlier is None else earlier + self._total_loss_scalar + unlogged.item()
+        return None if earlier is None else earlier + logged + unlogged.item()
 
     def training_order_state(self) -> dict | None:
         """Where the training order stands after the current step (saved with each checkpoint)."""
@@ -326,7 +330,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         if state_dict is None:
             return super().save_model(output_dir, _internal_call)
         if self.args.should_save:
-            self._save(output_dir or self.args.output_dir, state_dict=state_dict)
+            internals.save_weights(self, output_dir or self.args.output_dir, state_dict)
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
@@ -425,7 +429,7 @@ class TrainingHooks(TrainerCallback):
         if trainer._resume is not None:
             trainer.checkpoints.continue_with_this_runs_settings(Path(trainer._resume["checkpoint"]))
             if not args.auto_find_batch_size:  # the loaded state holds the checkpoint's batch; its next save this one's
-                state.train_batch_size = trainer._train_batch_size
+                state.train_batch_size = internals.train_batch_size(trainer)
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # transformers skips a resumed epoch's first batches through a wrapper that hides set_epoch from the sampler;

@@ -32,11 +32,20 @@ for flags in ({{"deepspeed": "zero2_minimal"}}, {{"sharded_ddp": "simple"}}):
         ExtTrainingArguments(output_dir={str(tmp_path)!r}, **flags)
     except ArgumentsError as error:
         print(error)
+from types import SimpleNamespace
+from trainer_ext.backends.fairscale import FairScaleBackend
+from trainer_ext.errors import MissingLibraryError
+try:  # the check ExtTrainer runs on stock TrainingArguments, which parsed nothing
+    given = SimpleNamespace(sharded_ddp=["simple"])
+    FairScaleBackend(given).check(given)
+except MissingLibraryError as error:
+    print("trainer", error)
 print("env", os.environ.get("ACCELERATE_USE_DEEPSPEED"))
 """
     out = run([PYTHON, "-c", code], env={"PYTHONPATH": f"{WITHOUT}:{REPO}"}, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
-    assert lines[-3].startswith("--deepspeed needs deepspeed, which is not installed: pip install 'deepspeed"), lines
-    assert lines[-2].startswith("--sharded_ddp simple needs fairscale, which is not installed: pip install fairscale")
+    assert lines[-2].startswith("trainer --sharded_ddp simple needs fairscale, which is not installed"), lines
+    assert lines[-4].startswith("--deepspeed needs deepspeed, which is not installed: pip install 'deepspeed"), lines
+    assert lines[-3].startswith("--sharded_ddp simple needs fairscale, which is not installed: pip install fairscale")
     assert lines[-1] == "env None"

@@ -1,5 +1,5 @@
 """The parts of transformers' Trainer that ExtTrainer relies on, checked against the installed release: every method
-it overrides (private ones move between minor releases, so they are few and all in private_hooks.py), every private
+it overrides (private ones move between minor releases, so they are few and all in integrations/internals.py), every private
 method it calls, every attribute it sets for the Trainer to read. A rename would otherwise leave an override silently
 never called."""
 
@@ -12,7 +12,7 @@ from transformers import Trainer
 import transformers.trainer
 from conftest import REPO
 from trainer_ext import ExtTrainer
-from trainer_ext.private_hooks import PrivateTrainerHooks
+from trainer_ext.integrations.internals import PrivateTrainerHooks
 
 pytestmark = pytest.mark.oldest
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.oldest
 OWN = {"_custom_loss_requested", "_custom_loss", "_learn_whether_loss_reads_num_items", "_parent_computes_loss",
        "_normalised", "_on_every_rank", "_say_where_token_losses_are_normalised", "training_order_state",
        "training_loss_sum", "train_in_output_dir"}
-# The private Trainer methods ExtTrainer overrides, each with its reason in private_hooks.py and docs/versions.md
+# The private Trainer methods ExtTrainer overrides, each with its reason in integrations/internals.py and docs/versions.md
 # ("Supported versions"); everything else rides on public hooks.
 PRIVATE_OVERRIDES = {"_get_output_dir", "_wrap_model", "_clip_grad_norm", "_finalize_training"}
 
@@ -31,7 +31,6 @@ CALLS = {
     "_load_callback_state": (),
     "_remove_unused_columns": ("dataset", "description"),
     "_get_collator_with_removed_columns": ("collator", "description"),
-    "_prepare_inputs": ("inputs",),
     "_save": ("output_dir", "state_dict"),
     "_save_checkpoint": ("model", "trial"),  # metrics_check.py: the training so far, before a bad compute_metrics
     "set_initial_training_values": ("args", "dataloader"),
@@ -95,7 +94,7 @@ def test_every_override_and_call_matches_the_installed_trainer():
 
 
 def test_private_overrides_are_the_four_in_their_module():
-    """Fails when ExtTrainer overrides a private Trainer method outside private_hooks.py, or that module grows: each
+    """Fails when ExtTrainer overrides a private Trainer method outside the door's PrivateTrainerHooks, or it grows: each
     private override breaks on some transformers release, so every one must be unavoidable and said why in docs/versions.md."""
     ours = {name for cls in ExtTrainer.__mro__ if cls.__module__.startswith("trainer_ext") for name in vars(cls)
             if name.startswith("_") and not name.startswith("__") and name not in OWN and hasattr(Trainer, name)}

@@ -9,6 +9,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
+from ..integrations import internals
+
 
 class Backend:
     """The default (DDP through accelerate, or one process) needs none of the hooks; a backend overrides what it does
@@ -98,7 +100,13 @@ class Backend:
 
     # -- setting up a trainer's run (ExtTrainer calls these from the Trainer's public hooks) -------------------------
     def check(self, args) -> None:
-        """Fail before any work if this backend cannot run with these arguments on this machine."""
+        """Fail before any work if this backend cannot run with these arguments on this machine; its library not
+        installed is one line (the one availability check: missing_library)."""
+        problem = self.missing_library(args)
+        if problem:
+            from ..errors import MissingLibraryError
+
+            raise MissingLibraryError(problem)
 
     def callbacks(self, trainer) -> list:
         """TrainerCallbacks this backend adds to the trainer when it is built."""
@@ -158,7 +166,7 @@ class Backend:
     def load_weights(self, trainer, checkpoint) -> None:
         """A finished run's weights into this trainer's model (for its evaluation/prediction); the Trainer's own
         loader by default, as a resume loads them."""
-        trainer._load_from_checkpoint(str(checkpoint))
+        internals.load_from_checkpoint(trainer, checkpoint)
 
     def model_fingerprint(self, module) -> dict:
         """What a checkpoint records about the model, and a resume must match (a backend whose wrapping changes what the

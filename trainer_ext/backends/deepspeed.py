@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..deepspeed_config import finish_deepspeed_config, resolve_deepspeed_config
 from ..deepspeed_config.keys import HIDDEN_SIZE_AUTO, ZERO3_COST
+from ..integrations import internals
 from .base import Backend, BackendFormula
 
 logger = logging.getLogger(__name__)
@@ -135,10 +136,7 @@ class DeepSpeedBackend(Backend):
         self._load_universal = False  # resuming a checkpoint saved on another world size (see before_train)
 
     def check(self, args) -> None:
-        import importlib.util
-
-        if importlib.util.find_spec("deepspeed") is None:
-            raise ImportError(f"--deepspeed needs DeepSpeed, which is not installed: {INSTALL}")
+        super().check(args)
         if self.resolution is None:
             self.resolution = resolve_stock_arguments(args)
 
@@ -153,7 +151,7 @@ class DeepSpeedBackend(Backend):
         self._load_universal = bool(checkpoint) and self._reshard_if_world_size_changed(trainer, Path(checkpoint))
         plugin = trainer.accelerator.state.deepspeed_plugin
         if not isinstance(plugin.hf_ds_config, finished_by_backend()):
-            plugin.hf_ds_config = finished_by_backend()(plugin.hf_ds_config)
+            internals.wrap_hf_ds_config(plugin, finished_by_backend())
         plugin.hf_ds_config.finish = lambda args, model, steps: self.finish(trainer, model, steps)
 
     def finish(self, trainer, model, num_training_steps: int) -> dict:
@@ -218,17 +216,19 @@ class DeepSpeedBackend(Backend):
             return
         if zero_stage(self.resolution) == 3:
             engine = self.evaluation_engine(trainer)
-            trainer.deepspeed = trainer.model_wrapped = engine  # transformers builds and prepares nothing then
+            internals.set_deepspeed_engine(trainer, engine)  # transformers builds and prepares nothing then
+            internals.set_wrapped_model(trainer, engine)
             try:
                 yield engine
             finally:
-                trainer.deepspeed, trainer.model_wrapped = None, trainer.model
+                internals.set_deepspeed_engine(trainer, None)
+                internals.set_wrapped_model(trainer, trainer.model)
             return
-        trainer.is_deepspeed_enabled = False
+        internals.set_deepspeed_enabled(trainer, False)
         try:
             yield None
         finally:
-            trainer.is_deepspeed_enabled = True
+            internals.set_deepspeed_enabled(trainer, True)
 
     def evaluation_engine(self, trainer):
         """The ZeRO-3 engine an evaluation before training runs through (see evaluating)."""
@@ -253,11 +253,11 @@ class DeepSpeedBackend(Backend):
             model = trainer.accelerator.unwrap_model(trainer.model)
             load_consolidated_weights(model, Path(checkpoint), trainer.is_world_process_zero())
             return
-        trainer.is_deepspeed_enabled = False  # below ZeRO-3 every checkpoint holds the whole model
+        internals.set_deepspeed_enabled(trainer, False)  # below ZeRO-3 every checkpoint holds the whole model
         try:
             super().load_weights(trainer, checkpoint)
         finally:
-            trainer.is_deepspeed_enabled = True
+            internals.set_deepspeed_enabled(trainer, True)
 
     def optimizer_hyperparameters(self, trainer) -> list[dict] | None:
         """The optimizer section of the config that ran (the flags, translated): every group's."""
@@ -302,7 +302,7 @@ class DeepSpeedBackend(Backend):
 
     def drop_references(self, trainer) -> None:
         self.release_evaluation_engine()
-        trainer.deepspeed = None  # transformers' own reference to the training engine
+        internals.set_deepspeed_engine(trainer, None)  # transformers' own reference to the training engine
 
     def teardown(self) -> None:
         from ..leftovers import remove_own_shm_buffer
@@ -350,9 +350,7 @@ def keep_used_weight_conversions(model) -> None:
     other loader keeps those that matched the checkpoint; saving then reverts renamings that never happened
     (MiniLM's LayerNorm.weight written as the legacy LayerNorm.gamma). A private attribute: the only record of them;
     tests/integration/test_zero3.py compares a ZeRO-3 checkpoint's keys with one process's."""
-    conversions = getattr(model, "_weight_conversions", None)
-    if conversions:
-        model._weight_conversions = [conversion for conversion in conversions if conversion.was_used()]
+    internals.keep_used_weight_conversions(model)
 
 
 def load_consolidated_weights(model, folder: Path, main_process: bool) -> None:
@@ -510,7 +508,7 @@ def deepspeed_refusals(config: dict) -> list[str]:
     if importlib.util.find_spec("deepspeed") is None:
         return []
     with deepspeed_imported():
-        from deepspeed.runtime.config import DeepSpeedConfig
+        import deepspeed.runtime.config  # noqa: F401 (imported quietly here; internals.deepspeed_config_reader reads it)
         from pydantic import ValidationError
     from ..deepspeed_config.fields import read_field, requirement
     from ..deepspeed_config.keys import TOP_LEVEL_TYPES
@@ -523,9 +521,8 @@ def deepspeed_refusals(config: dict) -> list[str]:
                             "parser passes it, its engine fails on it or reads it otherwise)")
             continue
         # The parser's field readers without its batch checks (private: tests/unit/test_deepspeed_accepts.py checks it).
-        reader = DeepSpeedConfig.__new__(DeepSpeedConfig)
         try:
-            reader._initialize_params({section: copy.deepcopy(value)})  # noqa: SLF001
+            internals.deepspeed_config_reader(section, copy.deepcopy(value))
         except ValidationError as err:
             for error in err.errors():
                 where = ".".join([section, *(str(part) for part in error["loc"] if part != section)])

@@ -4,10 +4,10 @@ gradient to the rank that owns it (ShardedDataParallel); `zero_dp_2` / `zero_dp_
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 from ..errors import ArgumentsError, closest
+from ..integrations import internals
 from .base import Backend, BackendFormula
 
 logger = logging.getLogger(__name__)
@@ -85,19 +85,13 @@ class FairScaleBackend(Backend):
     def describe(self) -> str:
         return f"fairscale --sharded_ddp {' '.join(self.options)}"
 
-    def check(self, args) -> None:
-        """Machine and precision were checked when the arguments were parsed (check_machine)."""
-        if importlib.util.find_spec("fairscale") is None:
-            raise ImportError(f"--sharded_ddp {' '.join(self.options)} needs FairScale, which is not installed: "
-                              f"{INSTALL}")
-
     # -- optimizer -------------------------------------------------------------------------------------
     def build_optimizer(self, trainer, param_groups, optimizer_cls, kwargs):
         if trainer.args.fp16:
             from fairscale.optim.grad_scaler import ShardedGradScaler
 
             # inf checks and unscaling must see every shard, not only this rank's (before accelerate takes the scaler)
-            trainer.accelerator.scaler = ShardedGradScaler()
+            internals.set_grad_scaler(trainer, ShardedGradScaler())
         if self.fully_sharded:
             kwargs = optimizer_kwargs_for_scaler(kwargs, trainer.args, self.options)
             optimizer = optimizer_cls(param_groups, **kwargs)
@@ -131,7 +125,7 @@ class FairScaleBackend(Backend):
         from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
 
         model = model.module if isinstance(model, (ShardedDataParallel, FullyShardedDataParallel)) else model
-        return getattr(model, "_orig_mod", model)  # --torch_compile
+        return internals.uncompiled(model)  # --torch_compile
 
     # -- steps and checkpoints -------------------------------------------------------------------------
     def clip_grad_norm(self, trainer, model, max_norm: float):

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import ArgumentsError, UserError, closest
+from ..integrations import internals
 from .base import Backend
 
 logger = logging.getLogger(__name__)
@@ -251,8 +252,7 @@ class FSDPBackend(Backend):
         self.optimizer_file = None  # what transformers' optimizer file holds (OptimizerFile)
 
     def check(self, args) -> None:
-        if missing := type(self).missing_library(args):  # stock TrainingArguments did not ask
-            raise ArgumentsError(missing)
+        super().check(args)  # the library (stock TrainingArguments did not ask)
         if self.settings is None:  # stock TrainingArguments: transformers normalised the flags into fsdp_config
             settings, _, problems = resolve_settings(args.fsdp, args.fsdp_config)
             if problems:
@@ -422,22 +422,15 @@ def built_empty():
     through torch's default device, from_pretrained through `device_map="meta"` (transformers refuses the default
     device there), which reads each tensor and keeps none."""
     import torch
-    from transformers import PreTrainedModel
 
-    loader = PreTrainedModel.__dict__["from_pretrained"]
-
-    def from_pretrained(model_class, *args, **kwargs):
-        model = loader.__func__(model_class, *args, **{**kwargs, "device_map": "meta"})
+    def from_pretrained(load, model_class, *args, **kwargs):
+        model = load(model_class, *args, **{**kwargs, "device_map": "meta"})
         # the map is ours, not the user's: transformers' Trainer would take the model as placed by hand
         model.__dict__.pop("hf_device_map", None)
         return model
 
-    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
-    try:
-        with torch.device("meta"):
-            yield
-    finally:
-        PreTrainedModel.from_pretrained = loader
+    with internals.from_pretrained_replaced(from_pretrained), torch.device("meta"):
+        yield
 
 
 def sharding_choices(device_type: str, bf16: bool, fp16: bool, offload: bool) -> dict:
@@ -491,7 +484,7 @@ def shard(model, settings: FSDPSettings, args) -> None:
         register_fsdp_forward_method(model, "generate")  # gathered for generation as for forward
         # transformers' mark of an FSDP2 model: generation keeps the ranks in step (synced_gpus), as every rank
         # must join each layer's all-gather.
-        model._is_fsdp_managed_module = True
+        internals.mark_fsdp_managed(model)
 
 
 def fill_from_rank0(model, whole: dict | None, device, rank: int) -> None:
@@ -527,7 +520,8 @@ def fill_from_rank0(model, whole: dict | None, device, rank: int) -> None:
 def non_persistent_buffers(model) -> dict:
     """Buffers a module keeps out of its state dict, by their full names."""
     return {f"{prefix}.{name}" if prefix else name: buffer for prefix, module in model.named_modules()
-            for name, buffer in module.named_buffers(recurse=False) if name in module._non_persistent_buffers_set}
+            for name, buffer in module.named_buffers(recurse=False)
+            if name in internals.non_persistent_buffer_names(module)}
 
 
 def wrap_units(model, settings: FSDPSettings) -> list:
@@ -560,7 +554,7 @@ def wrap_units(model, settings: FSDPSettings) -> list:
         return units
     names = set(settings.layer_classes)
     if not names:  # transformers' fallback: the classes the model says must not be split
-        names = {name for module in model.modules() for name in (getattr(module, "_no_split_modules", None) or ())}
+        names = {name for module in model.modules() for name in internals.no_split_modules(module)}
     present = {type(module).__name__ for _, module in modules}
     missing = sorted(set(settings.layer_classes) - present)
     if missing:

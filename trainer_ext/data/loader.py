@@ -5,6 +5,7 @@ and accelerate's, and the order is ours."""
 from __future__ import annotations
 
 from ..errors import UserError
+from ..integrations import internals
 
 # transformers' collators that pad every feature into a tensor through the tokenizer: a column of strings fails there
 # with "Unable to create tensor ... (`sentence` in this case) have excessive nesting" (tests/unit/test_first_week.py
@@ -65,10 +66,10 @@ def dataloader_with_batch_sampler(trainer, dataset, description, batch_sampler):
     args = trainer.args
     collator = trainer.data_collator
     if isinstance(dataset, datasets.Dataset):
-        dataset = trainer._remove_unused_columns(dataset, description=description)
+        dataset = internals.remove_unused_columns(trainer, dataset, description)
         check_collatable(dataset, collator, args, description)
     else:
-        collator = trainer._get_collator_with_removed_columns(trainer.data_collator, description=description)
+        collator = internals.collator_without_unused_columns(trainer, trainer.data_collator, description)
     params = {"batch_sampler": batch_sampler, "collate_fn": collator, "num_workers": args.dataloader_num_workers,
               "pin_memory": args.dataloader_pin_memory, "persistent_workers": args.dataloader_persistent_workers,
               "prefetch_factor": args.dataloader_prefetch_factor}
@@ -99,7 +100,7 @@ def stream_dataloader(trainer, stream):
     from .stream import collate_with_placeholders
 
     args = trainer.args
-    collator = trainer._get_collator_with_removed_columns(trainer.data_collator, description="training")
+    collator = internals.collator_without_unused_columns(trainer, trainer.data_collator, "training")
     params = {"batch_size": stream.batch_size, "collate_fn": collate_with_placeholders(collator),
               "num_workers": args.dataloader_num_workers, "pin_memory": args.dataloader_pin_memory,
               "persistent_workers": args.dataloader_persistent_workers,

@@ -15,6 +15,7 @@ from collections import OrderedDict
 import torch
 
 from ..errors import UserError
+from ..integrations import internals
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def exact_state(source) -> str | None:
     """Why the source cannot be resumed from its own saved position, or None when it can."""
     if not (callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None))):
         return "it has no state_dict()/load_state_dict() to say where it stands"
-    iterable = getattr(source, "_ex_iterable", None)  # datasets: the chain of example iterables behind the dataset
+    iterable = internals.example_iterable(source)  # datasets: the chain of example iterables behind the dataset
     if iterable is not None and _older_than(DATASETS_EXACT_FROM):
         return (f"datasets {_datasets_version()} does not restore a stream's position exactly (measured: from "
                 f"{'.'.join(map(str, DATASETS_EXACT_FROM))} it does)")

@@ -8,6 +8,7 @@ import os
 import warnings
 
 from ..errors import UserError
+from ..integrations import internals
 from ..config.values import did_you_mean
 
 SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler"}
@@ -137,7 +138,7 @@ def with_sampler(database, settings, trials_so_far: int):
 
 def trial_id(frozen) -> int:
     """Optuna keeps a trial's storage id private; the trial's process and the search address it by that id."""
-    return frozen._trial_id
+    return internals.optuna_trial_id(frozen)
 
 
 def running_trial(url: str, study_name: str, trial: int, pruner: dict):

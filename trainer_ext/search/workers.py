@@ -8,6 +8,7 @@ import hashlib
 import threading
 import time
 
+from ..integrations import internals
 from ..processes import alive, same_process, this_process
 
 STOPPED = "stopped"  # the heartbeat of a trial whose worker stopped cleanly (SIGTERM): others may continue it at once
@@ -154,9 +155,9 @@ class Watch:
             return None if alive(owner) else f"its worker on {where} is gone"
         now = time.monotonic()
         seen = (owner.get("pid"), owner.get("started"), beat)
-        last = self._seen.get(frozen._trial_id)
+        last = self._seen.get(internals.optuna_trial_id(frozen))
         if last is None or last[0] != seen:
-            self._seen[frozen._trial_id] = (seen, now)
+            self._seen[internals.optuna_trial_id(frozen)] = (seen, now)
             return None
         if now - last[1] >= self.grace_period:
             return f"no heartbeat from its worker on {where} for {now - last[1]:.0f} s"

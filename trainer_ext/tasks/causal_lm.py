@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArgumentsError, MissingLibraryError
+from ..integrations import internals
 from .common import REPO
 from .common import ModelArguments as CommonModelArguments
 from .common import check_sample_limits, nearby, with_channels
@@ -234,7 +235,7 @@ def check_packing(data_args: DataArguments, training_args, config, model_class, 
         raise ArgumentsError("--packing with --use_cache true: in training the cache hides the packed samples' "
                              "boundaries from the attention mask, so they would attend to each other; drop "
                              "--use_cache (the Trainer's default turns the cache off)")
-    implementation = asked or config._attn_implementation or "sdpa"
+    implementation = asked or internals.attention_implementation(config) or "sdpa"
     masks = hasattr(sys.modules.get(model_class.__module__), "create_causal_mask")
     if implementation not in PACKING_ATTENTION or (not implementation.startswith("flash") and not masks):
         why = (f"attention implementation {implementation!r}" if implementation not in PACKING_ATTENTION else
@@ -251,7 +252,7 @@ def load_model_config(model_path: str, model_args: ModelArguments):
     kwargs = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
     config = load_config(model_path, model_args, **kwargs)
     if model_args.attn_implementation:
-        config._attn_implementation = model_args.attn_implementation
+        internals.set_attention_implementation(config, model_args.attn_implementation)
     config.use_cache = False  # a cache in training hides packed samples' boundaries from the mask (measured)
     return config
 
