@@ -335,9 +335,11 @@ def test_building_the_arguments_touches_nothing_stock_arguments_do_not(tmp_path)
     # does not train: neither its accelerator choice nor what its import sets (PYTORCH_NVML_BASED_CUDA_CHECK: the
     # config checks of the ZeRO arguments built above imported it and took it back).
     assert ddp["env"] == {"OMP_NUM_THREADS": [None, str(max(1, cores // 2))]}
-    # A ZeRO-2 run's: DeepSpeed's CPU accelerator, what its import set given back, a 1-rank group.
+    # A ZeRO-2 run's: DeepSpeed's CPU accelerator, what its import set given back (a test worker that imported
+    # DeepSpeed itself passes PYTORCH_NVML_BASED_CUDA_CHECK on already set: then it does not change), a 1-rank group.
     assert {"RANK", "WORLD_SIZE", "MASTER_PORT"} <= zero2["env"].keys() and zero2["group"] == [False, True]
-    assert zero2["env"]["DS_ACCELERATOR"] == [None, "cpu"] and zero2["env"]["PYTORCH_NVML_BASED_CUDA_CHECK"][1] == "1"
+    assert zero2["env"]["DS_ACCELERATOR"] == [None, "cpu"]
+    assert zero2["env"].get("PYTORCH_NVML_BASED_CUDA_CHECK", [None, "1"])[1] == "1"
     assert report["world_size"] == 1 and again == {"env": {}, "files": []}
 
 
