@@ -4,8 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainer_ext-installed
 PYTEST_ARGS ?=
-# `make test` runs two test files at a time (pytest-xdist, a file per worker, in conftest's order): a launched
-# process spends much of its time starting up on one core, so two streams fill the 2 cores CI has. TEST_JOBS=0: serial.
+# `make test` runs two test files at a time (pytest-xdist, a file per worker, in tests/support/order.py's order): a
+# launched process spends much of its time starting up on one core, so two streams fill the 2 cores CI has.
+# TEST_JOBS=0: serial.
 TEST_JOBS ?= 2
 
 .PHONY: setup test test-fast test-without-libraries test-oldest test-newest demo clean gpu-setup gpu-test gpu-bench gpu-check
@@ -27,7 +28,7 @@ test: setup
 	$(PY) -m pytest tests -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The unit subset (no process started, no model package, no GPU): under a minute; the markers are in pytest.ini and
-# tests/conftest.py fails a test that starts a process without being marked `launch`.
+# tests/support/markers.py fails a test that starts a process without being marked `launch`.
 test-fast: setup
 	$(PY) -m pytest tests -m "not launch and not cuda" $(PYTEST_ARGS)
 

@@ -308,7 +308,7 @@ def prebuild_deepspeed_ops() -> str:
     """Build DeepSpeed's FusedAdam and CPUAdam once, before the clock of any row (a first build takes minutes)."""
     if importlib.util.find_spec("deepspeed") is None:
         return "deepspeed not installed"
-    from trainer_ext.cuda_arch import prepare_for_deepspeed
+    from trainer_ext.backends.deepspeed.cuda_arch import prepare_for_deepspeed
 
     prepare_for_deepspeed()  # TORCH_CUDA_ARCH_LIST=9.0a would stop the build
     code = ("from deepspeed.accelerator import get_accelerator\n"

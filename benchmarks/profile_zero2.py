@@ -57,7 +57,7 @@ def engine_for(build, zero, steps, bf16=False):
     norm_overflow = zero.pop("norm_overflow", False)
     import deepspeed
 
-    from trainer_ext.backends.deepspeed import check_overflow_by_norm
+    from trainer_ext.backends.deepspeed.backend import check_overflow_by_norm
     from trainer_ext.deepspeed_config import build_deepspeed_config
 
     flags = {"per_device_train_batch_size": 16, "learning_rate": 5e-5, "max_grad_norm": 1.0, "bf16": bf16}

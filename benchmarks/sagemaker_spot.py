@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "integration")]
 from test_sagemaker import QA, TRAIN, clean_env, eval_loss, losses_printed, run_job, write_job  # noqa: E402
 
-from trainer_ext.checkpoint import MARKER, checkpoint_step, newest_valid_checkpoint  # noqa: E402
+from trainer_ext.checkpoints.format import MARKER, checkpoint_step, newest_valid_checkpoint  # noqa: E402
 
 BACKENDS = {"ddp": {}, "zero2": {"deepspeed": "zero2_minimal"}}
 

@@ -21,9 +21,9 @@ _LAZY = {
     "ArgumentsError": ".errors",
     "exit_process": ".errors",
     "one_line_errors": ".errors",
-    "Preempted": ".preemption",
-    "sharded_loading": ".process_setup",
-    "prepare_process": ".process_setup",
+    "Preempted": ".checkpoints.preemption",
+    "sharded_loading": ".environment.prepare",
+    "prepare_process": ".environment.prepare",
 }
 __all__ = sorted(_LAZY)
 

@@ -34,10 +34,11 @@ commands:
 
 
 def ds_config(argv: list[str]) -> int:
-    from .backends.deepspeed import resolve_checked
+    from .backends.deepspeed.backend import resolve_checked
     from .config.checks import flag_problems
     from .config.flags import ExtArgumentParser, ExtTrainingArguments
     from .deepspeed_config import DeepSpeedConfigError, explain
+    from .config.settings import write
     from .deepspeed_config.passes import nvme_offloads
 
     parser = ExtArgumentParser(ExtTrainingArguments, prog="trainer-ext ds-config",
@@ -49,7 +50,7 @@ def ds_config(argv: list[str]) -> int:
     parser.check_unknown(argv)
     # A namespace, not TrainingArguments: rendering a config for a GPU cluster must work on a CPU login node.
     args = parser.parse_args(argv)
-    args.flags_given = parser.flags_given  # a flag typed at its default still beats the file, as in training
+    write(args, {"flags_given": parser.flags_given})  # a flag typed at its default still beats the file, as in training
     problems = flag_problems(args)  # training's own checks, less those of this machine
     problems += [f"--{name} {value}: must be at least 1" for name in ("world_size", "num_training_steps", "hidden_size")
                  if (value := getattr(args, name)) is not None and value < 1]
@@ -296,7 +297,7 @@ def build_ops(argv: list[str]) -> int:
     import argparse
     import importlib.util
 
-    from .backends.deepspeed import INSTALL
+    from .backends.deepspeed.backend import INSTALL
 
     parser = argparse.ArgumentParser(prog="trainer-ext build-ops", allow_abbrev=False,
                                      description="Build DeepSpeed's JIT ops (its CPU all-reduce, FusedAdam, CPU Adam) "
@@ -311,7 +312,7 @@ def build_ops(argv: list[str]) -> int:
         print(f"trainer-ext build-ops: error: DeepSpeed is not installed, so it has no ops to build: {INSTALL}",
               file=sys.stderr)
         return 2
-    from .ops import build_ops as build
+    from .backends.deepspeed.ops import build_ops as build
 
     return build(only=args.only)
 
@@ -319,7 +320,7 @@ def build_ops(argv: list[str]) -> int:
 def merge(argv: list[str]) -> int:
     import argparse
 
-    from .merge import DTYPES, merge_adapter
+    from .tasks.merge import DTYPES, merge_adapter
 
     parser = argparse.ArgumentParser(prog="trainer-ext merge", allow_abbrev=False,
                                      description="Fold a LoRA adapter into its base model's weights and save a plain "

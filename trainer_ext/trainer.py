@@ -16,23 +16,24 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_pt_utils import find_batch_size
 
-from . import progress
+from .training import progress
 from .backends import select_backend
-from .checkpoint import AUTO, newest_valid_checkpoint, read_data_state, read_loss_sum, resume_request
+from .checkpoints.format import AUTO, newest_valid_checkpoint, read_data_state, read_loss_sum, resume_request
 from .data.loader import dataloader_with_batch_sampler, stream_dataloader
 from .data.samplers import ResumableBatchSampler, check_global_batch
 from .data.stream import TrainingStream, is_stream
 from .errors import UserError
-from .losses import EvaluationLosses, NumItemsProbe, shifts_labels, sliced, takes_num_items, token_cross_entropy
-from .metrics_check import checked_compute_metrics
-from .output_dir import hold_output_dir, release_output_dir
-from .preemption import Preempted, PreemptionCallback
+from .training.losses import (EvaluationLosses, NumItemsProbe, shifts_labels, sliced, takes_num_items,
+                              token_cross_entropy)
+from .training.metrics_check import checked_compute_metrics
+from .checkpoints.output_lock import hold_output_dir, release_output_dir
+from .checkpoints.preemption import Preempted, PreemptionCallback
 from .integrations import internals
 from .integrations.internals import PrivateTrainerHooks
-from .run_checkpoints import RunCheckpoints, checkpoint_folder, weights_and_step
-from .sagemaker import save_final_model
-from .process_setup import prepare_process
-from .runtime import check_process_group, release_at_exit
+from .checkpoints.policy import RunCheckpoints, checkpoint_folder, weights_and_step
+from .environment.sagemaker import save_final_model
+from .environment.prepare import prepare_process
+from .environment.launcher import check_process_group, release_at_exit
 from .search.callback import trial_callback
 from .config.optimizer import OptimizerSettings, SchedulerSettings
 
@@ -60,9 +61,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                  scheduler_settings: SchedulerSettings | None = None, **kwargs):
         _check_trl_arguments(type(self), args)
         prepare_process(args)  # the process set-up the arguments leave to training (once: sharded_loading may have)
-        self.backend = select_backend(args)
-        if args is not None:
-            self.backend.check(args)
+        self.backend = select_backend(args)  # checks that it can run here
         super().__init__(model, args, *positional, **kwargs)
         # The user's own optimizer: --optim does not say which optimizer a checkpoint's state belongs to.
         self.user_optimizer = self.optimizer is not None or kwargs.get("optimizer_cls_and_kwargs") is not None
@@ -324,9 +323,8 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         return super().log(logs, start_time)
 
     def save_model(self, output_dir=None, _internal_call=False):
-        if _internal_call:  # a checkpoint (every rank): the backend's own state, written or gathered first
-            self.backend.save_checkpoint(self, output_dir)
-        state_dict = self.backend.full_state_dict(self)
+        # A checkpoint (every rank): the backend's own state, written or gathered first; a sharded model's weights.
+        state_dict = self.backend.save(self, output_dir if _internal_call else None)
         if state_dict is None:
             return super().save_model(output_dir, _internal_call)
         if self.args.should_save:
@@ -357,7 +355,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self.training_already_complete, self._resume, self._learning_rate_in_use = None, None, None
         self.final_model_dir = None
         release_at_exit(self)  # a process group formed since the trainer was built
-        hold_output_dir(self)  # not the model's own folder, and no other run writing there (output_dir.py)
+        hold_output_dir(self)  # not the model's own folder, and no other run writing there (checkpoints/output_lock.py)
         try:
             return self.train_in_output_dir(resume_from_checkpoint, **kwargs)
         finally:  # the lock guards a training run, ended or failed: no file of ours is left among the outputs
@@ -370,7 +368,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         # No model yet: model_init builds it inside train() (hyperparameter_search drops it between trials).
         module = self.backend.unwrap(self.accelerator.unwrap_model(self.model)) if self.model is not None else None
         checkpoint = self.checkpoints.to_resume(resume_from_checkpoint,
-                                                self.backend.model_fingerprint(module) if module is not None else None)
+                                                self.backend.fingerprint(module) if module is not None else None)
         if checkpoint:
             # The run's total, counted as transformers counts it for these flags and this data (epochs or max_steps).
             max_steps = self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
@@ -408,7 +406,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             self.search_trial.stop_if_pruned()  # after its checkpoint: the search records the trial as pruned
         if self.is_world_process_zero():
             Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
-            self.backend.save_settings(self.args.output_dir)
+            self.backend.settings().write(self.args.output_dir)
         self.final_model_dir = save_final_model(self)  # a SageMaker job's model.tar.gz is never left empty
         return result
 
@@ -423,9 +421,8 @@ class TrainingHooks(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = self.trainer
-        if trainer._resume is not None:  # transformers loaded the weights, scheduler and optimizer file
-            trainer.backend.load_checkpoint(trainer, trainer._resume["checkpoint"])
-        trainer.backend.on_train_begin(trainer)
+        # Resuming, transformers loaded the weights, scheduler and optimizer file; the backend loads its own state.
+        trainer.backend.on_train_begin(trainer, trainer._resume["checkpoint"] if trainer._resume is not None else None)
         if trainer._resume is not None:
             trainer.checkpoints.continue_with_this_runs_settings(Path(trainer._resume["checkpoint"]))
             if not args.auto_find_batch_size:  # the loaded state holds the checkpoint's batch; its next save this one's

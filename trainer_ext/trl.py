@@ -15,6 +15,7 @@ except ImportError as err:  # one line at the boundary, not a traceback
                               "\"trainer_ext[trl]\"") from None
 
 from .config.flags import ExtTrainingArguments
+from .config.settings import write
 from .trainer import ExtTrainer
 
 
@@ -25,7 +26,7 @@ class ExtSFTConfig(ExtTrainingArguments, SFTConfig):
 
     def __post_init__(self):
         if self.bf16 is None:  # TRL's default, settled before our checks and the DeepSpeed file read it
-            self.bf16 = not self.fp16
+            write(self, {"bf16": not self.fp16})
         super().__post_init__()
 
 

@@ -293,7 +293,7 @@ def test_cpu_ranks_share_the_cores_unless_the_user_chose(monkeypatch):
     """N ranks each running one thread per core oversubscribe the machine N times."""
     import torch
 
-    from trainer_ext.runtime import share_cores_between_cpu_ranks
+    from trainer_ext.environment.launcher import share_cores_between_cpu_ranks
 
     before = torch.get_num_threads()
     try:

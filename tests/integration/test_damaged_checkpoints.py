@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from conftest import BIN, PYTHON, TINY_TRAIN, free_port, max_weight_difference, run, scratch
-from trainer_ext.checkpoint import newest_valid_checkpoint
+from trainer_ext.checkpoints.format import newest_valid_checkpoint
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
 
@@ -70,7 +70,7 @@ def test_each_damaged_file_is_found_and_the_previous_checkpoint_taken(uninterrup
     relative = FILES[backend][kind]
     assert (run_dir / "checkpoint-6" / relative).is_file(), sorted(p.name for p in (run_dir / "checkpoint-6").iterdir())
     damage(run_dir / "checkpoint-6" / relative, how)
-    with caplog.at_level(logging.WARNING, logger="trainer_ext.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trainer_ext.checkpoints.format"):
         assert newest_valid_checkpoint(run_dir, checksums=True) == run_dir / "checkpoint-4"
     said = caplog.text
     assert f"skipping checkpoint {run_dir / 'checkpoint-6'}: {relative}" in said

@@ -355,7 +355,7 @@ def test_compute_metrics_returning_a_float_keeps_the_training_done(tmp_path, cap
     from conftest import tiny_bert
 
     from trainer_ext import ExtTrainer, ExtTrainingArguments
-    from trainer_ext.checkpoint import problem_with
+    from trainer_ext.checkpoints.format import problem_with
 
     def float_accuracy(prediction):
         return 0.5
@@ -367,7 +367,7 @@ def test_compute_metrics_returning_a_float_keeps_the_training_done(tmp_path, cap
     trainer = ExtTrainer(model=tiny_bert(), args=args, train_dataset=data, eval_dataset=data[:8],
                          compute_metrics=float_accuracy)
     from trainer_ext.errors import report
-    from trainer_ext.metrics_check import MetricsError
+    from trainer_ext.training.metrics_check import MetricsError
 
     with pytest.raises(MetricsError) as raised:  # catchable; uncaught, the process boundary prints it as one line
         trainer.train()
@@ -389,7 +389,7 @@ def test_metrics_that_are_not_a_dict_of_numbers(answer, phrase):
     """Numbers of any kind pass (numpy scalars, one-element arrays); anything else is named."""
     import numpy as np
 
-    from trainer_ext.metrics_check import metrics_problem
+    from trainer_ext.training.metrics_check import metrics_problem
 
     assert phrase in metrics_problem(answer)
     assert metrics_problem({"a": 1, "b": np.float32(0.5), "c": np.array([2.0]), "d": True}) is None
@@ -408,7 +408,7 @@ def test_a_live_lock_is_named_and_a_stale_one_taken_over(tmp_path):
     """Two runs in one output_dir interleaved their checkpoints; a run killed with SIGKILL must not block the next."""
     import psutil
 
-    from trainer_ext.output_dir import LOCK, OutputDirError, OutputDirLock, holder_problem
+    from trainer_ext.checkpoints.output_lock import LOCK, OutputDirError, OutputDirLock, holder_problem
 
     parent = psutil.Process(os.getppid())
     (tmp_path / LOCK).write_text(json.dumps(lock_record(pid=parent.pid, started=parent.create_time())))
@@ -473,7 +473,7 @@ def test_leftover_rank_variables_fail_in_seconds(tmp_path):
 
 def test_rank_variables_under_a_launcher_or_a_scheduler_are_the_jobs(monkeypatch):
     """torchrun, the deepspeed launcher, MPI, Slurm and Kubernetes pods set the variables themselves: never refused."""
-    from trainer_ext.runtime import LAUNCHER_VARIABLES, rank_variables_problem
+    from trainer_ext.environment.launcher import LAUNCHER_VARIABLES, rank_variables_problem
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
@@ -505,7 +505,7 @@ def test_batch_eval_metrics_may_return_nothing_until_the_last_batch():
     import inspect
     from types import SimpleNamespace
 
-    from trainer_ext.metrics_check import checked_compute_metrics
+    from trainer_ext.training.metrics_check import checked_compute_metrics
 
     def batched(prediction, compute_result):
         return {"accuracy": 1.0} if compute_result else None

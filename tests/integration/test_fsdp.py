@@ -16,7 +16,7 @@ import torch
 
 from conftest import (BIN, PYTHON, REPO, TINY_COMMON, TINY_TRAIN, clean_env, free_port, logged, max_weight_difference,
                       rank_process, run, scratch, weights)
-from trainer_ext.checkpoint import MARKER
+from trainer_ext.checkpoints.format import MARKER
 from trainer_ext.errors import ArgumentsError
 
 STEPS = 10

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import REPO, launch
-from trainer_ext.leftovers import clear_stale_build_locks
+from trainer_ext.backends.deepspeed.leftovers import clear_stale_build_locks
 
 HOUR_AGO = time.time() - 3600
 
@@ -59,7 +59,7 @@ def test_a_deepspeed_run_proceeds_past_a_stale_lock(tmp_path):
 
 def test_unmapped_shm_buffers_are_removed_and_mapped_ones_kept(tmp_path):
     """A killed rank's all-reduce buffer (~66 MB of RAM) is freed; a live rank's mapping is never touched."""
-    from trainer_ext.leftovers import clear_stale_shm_buffers
+    from trainer_ext.backends.deepspeed.leftovers import clear_stale_shm_buffers
 
     def buffer(port):
         path = tmp_path / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_0"

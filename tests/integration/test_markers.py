@@ -37,7 +37,7 @@ from trainer_ext.backends.fairscale import FairScaleBackend
 from trainer_ext.errors import MissingLibraryError
 try:  # the check ExtTrainer runs on stock TrainingArguments, which parsed nothing
     given = SimpleNamespace(sharded_ddp=["simple"])
-    FairScaleBackend(given).check(given)
+    FairScaleBackend(given)
 except MissingLibraryError as error:
     print("trainer", error)
 print("env", os.environ.get("ACCELERATE_USE_DEEPSPEED"))

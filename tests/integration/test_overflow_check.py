@@ -67,7 +67,7 @@ def snapshot(model):
 def test_norm_decides_overflow_and_the_scan_is_gone(scans):
     """bf16: a non-finite gradient skips the step, leaving weights, masters and Adam moments as they were, and no
     per-parameter scan runs. Fails if DeepSpeed renames check_overflow or stops testing the norm in step()."""
-    from trainer_ext.backends.deepspeed import check_overflow_by_norm
+    from trainer_ext.backends.deepspeed.backend import check_overflow_by_norm
 
     model = engine()
     assert check_overflow_by_norm(model.optimizer).startswith("gradient norm")
@@ -94,7 +94,7 @@ def test_deepspeed_scans_every_parameter_without_us(scans):
 @pytest.mark.deepspeed
 def test_check_grad_overflow_false_in_the_file_is_kept_and_reported(one_rank):
     """A value the user wrote is kept, and its consequence (no detection at all under bf16) is said."""
-    from trainer_ext.backends.deepspeed import check_overflow_by_norm
+    from trainer_ext.backends.deepspeed.backend import check_overflow_by_norm
 
     model = engine(bf16={"enabled": True, "check_grad_overflow": False})  # as written in a user's file
     assert model.optimizer.check_grad_overflow is False

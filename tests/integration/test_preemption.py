@@ -12,7 +12,7 @@ import pytest
 
 from conftest import (BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, assert_same_training, clean_env,
                       free_port, signal_at_step)
-from trainer_ext.checkpoint import MARKER, newest_valid_checkpoint, rotate
+from trainer_ext.checkpoints.format import MARKER, newest_valid_checkpoint, rotate
 from trainer_ext.data.samplers import ResumableBatchSampler
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed, pytest.mark.model_package]

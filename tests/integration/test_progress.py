@@ -5,7 +5,7 @@ import pytest
 
 from conftest import launch, scratch
 
-pytestmark = [pytest.mark.launch, pytest.mark.model_package]
+pytestmark = [pytest.mark.launch, pytest.mark.model_package, pytest.mark.deepspeed]  # every test reads the ZeRO-2 run
 
 STEPS = 4
 
@@ -19,7 +19,6 @@ def zero2_run(request):
     return root, out.stdout + out.stderr
 
 
-@pytest.mark.deepspeed
 def test_progress_bar_with_samples_per_second_on_main_process_only(zero2_run):
     """Each rank would draw its own bar (N interleaved bars), or the bar would lack samples/s."""
     _, output = zero2_run

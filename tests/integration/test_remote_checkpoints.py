@@ -10,7 +10,7 @@ import pytest
 
 from conftest import BIN, free_port, loaded, max_weight_difference, train
 
-from trainer_ext.checkpoint import MARKER
+from trainer_ext.checkpoints.format import MARKER
 
 pytestmark = [pytest.mark.launch]
 

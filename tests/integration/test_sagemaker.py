@@ -15,8 +15,9 @@ import pytest
 from conftest import (BIN, REPO, _check_markers, clean_env, free_port, logged, max_weight_difference, run, scratch,
                       tiny_bert)
 
-from trainer_ext import sagemaker
-from trainer_ext.checkpoint import MARKER, checkpoint_step, newest_valid_checkpoint
+from trainer_ext.checkpoints.format import MARKER, checkpoint_step, newest_valid_checkpoint
+from trainer_ext.config.settings import write
+from trainer_ext.environment import sagemaker
 from trainer_ext.errors import ArgumentsError
 
 TINY_TRAIN = REPO / "tests" / "scripts" / "tiny_train.py"
@@ -320,8 +321,10 @@ def test_job_places_model_checkpoints_and_tensorboard(in_job, monkeypatch):
     from transformers import TrainingArguments
 
     args = TrainingArguments(report_to="none")
-    sagemaker.prepare_arguments(args)
-    assert args.output_dir == str(in_job / "model") and args.checkpoint_dir == str(in_job / "checkpoints")
+    assert sagemaker.prepare_arguments(args) == {"output_dir": str(in_job / "model"),
+                                                 "checkpoint_dir": str(in_job / "checkpoints")}
+    write(args, sagemaker.prepare_arguments(args))
+    assert sagemaker.prepare_arguments(args) == {}  # once set, nothing more
     assert "TENSORBOARD_LOGGING_DIR" not in os.environ
     sagemaker.prepare_environment()  # prepare_process's part
     assert os.environ["TENSORBOARD_LOGGING_DIR"] == str(in_job / "output" / "data" / "tensorboard")
@@ -392,8 +395,7 @@ def test_deepspeed_on_several_hosts_needs_a_shared_checkpoint_folder(in_job, mon
                                                       "save_strategy": "steps"})())
     args = type("Args", (), {"output_dir": None, "deepspeed": "zero2", "save_strategy": "steps",
                              "checkpoint_dir": "/fsx/run"})()
-    sagemaker.prepare_arguments(args)
-    assert args.checkpoint_dir == "/fsx/run"
+    assert sagemaker.prepare_arguments(args) == {"output_dir": str(in_job / "model")}
 
 
 def test_data_channels_fill_the_splits_no_file_names(in_job, monkeypatch):

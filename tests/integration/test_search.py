@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import BIN, REPO, clean_env, run
-from trainer_ext.checkpoint import newest_valid_checkpoint
+from trainer_ext.checkpoints.format import newest_valid_checkpoint
 from trainer_ext.config.experiment_file import argument_classes, flag_types
 from trainer_ext.search import PRUNED_ATTR
 from trainer_ext.search.space import read_search

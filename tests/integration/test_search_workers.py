@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, clean_env, free_port
 from test_remote_checkpoints import CREDENTIALS, remote_names, s3_server  # noqa: F401 - the fixture
 from test_search import ENV, TINY, TRAINER_EXT, runs_in, tiny_search
-from trainer_ext.checkpoint import newest_valid_checkpoint, publish
+from trainer_ext.checkpoints.format import newest_valid_checkpoint, publish
 from trainer_ext.search.copies import fetch_checkpoint
 
 optuna = pytest.importorskip("optuna")
@@ -224,7 +224,7 @@ def test_a_trials_worker_is_gone_when_its_process_or_its_heartbeat_says_so():
     grace period (a moving one resets it); a worker that stopped cleanly, or none recorded, hands on at once."""
     from types import SimpleNamespace
 
-    from trainer_ext.processes import this_process
+    from trainer_ext.environment.processes import this_process
     from trainer_ext.search.workers import STOPPED, Watch, this_worker
 
     me = this_worker(Path("/study"))

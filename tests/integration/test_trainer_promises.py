@@ -14,7 +14,7 @@ from transformers import (BertConfig, BertForSequenceClassification, Trainer, Tr
 
 from conftest import run  # a clean environment: an in-process ZeRO test leaves RANK/MASTER_PORT set
 from trainer_ext import ExtTrainer, ExtTrainingArguments
-from trainer_ext.checkpoint import CheckpointNotFoundError, damage, publish
+from trainer_ext.checkpoints.format import CheckpointNotFoundError, damage, publish
 from trainer_ext.errors import UserError
 
 pytestmark = pytest.mark.oldest
@@ -293,7 +293,7 @@ def test_a_weights_only_checkpoint_continues_only_when_asked(tmp_path, caplog):
     """A --save_only_model checkpoint resumed with "resuming from checkpoint-2" and nothing else, while the optimizer
     state was new and the schedule restarted at step 1's rate: refused in one line naming what it lacks, and with
     --resume_weights_only its weights and step continue on the schedule, the optimizer anew, said."""
-    from trainer_ext.checkpoint import CheckpointError
+    from trainer_ext.checkpoints.format import CheckpointError
 
     flags = dict(learning_rate=1e-4, save_steps=1, save_only_model=True)
     trained(tmp_path / "run", max_steps=2, **flags)
@@ -314,7 +314,7 @@ def test_a_weights_only_checkpoint_continues_only_when_asked(tmp_path, caplog):
 def test_another_optimizer_is_refused_before_it_reads_the_checkpoints_state(tmp_path, caplog):
     """--optim adafactor on a checkpoint of AdamW loaded AdamW's state into Adafactor and failed at the first step with
     a traceback; the fused and plain AdamW share one state format and resume each other."""
-    from trainer_ext.checkpoint import CheckpointError
+    from trainer_ext.checkpoints.format import CheckpointError
 
     flags = dict(save_steps=1)
     trained(tmp_path / "run", max_steps=2, optim="adamw_torch_fused", **flags)
@@ -333,7 +333,7 @@ def test_another_optimizer_is_refused_before_it_reads_the_checkpoints_state(tmp_
     # DeepSpeed: its optimizer.type, Adam and AdamW one state (FusedAdam in either mode)
     from types import SimpleNamespace
 
-    from trainer_ext.run_checkpoints import optimizer_record
+    from trainer_ext.checkpoints.policy import optimizer_record
 
     def record(kind):
         return optimizer_record(SimpleNamespace(backend=SimpleNamespace(resolution=SimpleNamespace(
@@ -355,7 +355,7 @@ def test_a_resume_with_another_batch_size_reports_and_records_the_batch_it_train
 def test_a_checkpoint_without_its_random_state_resumes_and_says_so(tmp_path, caplog):
     """A checkpoint missing only rng_state.pth was skipped by auto-resume (training restarted at step 0) and refused
     when named: it resumes (the data order is ours, exact), saying that the random state is not restored."""
-    from trainer_ext.checkpoint import newest_valid_checkpoint
+    from trainer_ext.checkpoints.format import newest_valid_checkpoint
 
     trained(tmp_path / "run", max_steps=2)
     (tmp_path / "run" / "checkpoint-2" / "rng_state.pth").unlink()

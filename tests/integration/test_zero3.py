@@ -245,7 +245,7 @@ def test_checkpoint_from_1_rank_resumes_on_2(zero3_accumulate, resumed_on_one_ra
 def preempted_then_rerun(request):
     """PLAIN under ZeRO-3 on 2 ranks, evaluating before training (an inference engine built and released before the
     training engine): SIGTERM to rank 1 at the end of step 5, then the same command again."""
-    from trainer_ext.checkpoint import newest_valid_checkpoint
+    from trainer_ext.checkpoints.format import newest_valid_checkpoint
 
     root = scratch(request, "zero3-sigterm")
     output_dir = root / "run"
@@ -410,7 +410,7 @@ def test_consolidated_weights_load_into_a_model_built_whole(tmp_path, shard):
     from safetensors.torch import load_file, save_file
     from transformers import BertConfig, BertForMaskedLM
 
-    from trainer_ext.backends.deepspeed import load_consolidated_weights
+    from trainer_ext.backends.deepspeed.backend import load_consolidated_weights
 
     config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
     torch.manual_seed(0)

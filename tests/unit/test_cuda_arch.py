@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from trainer_ext.cuda_arch import ArchListError, for_deepspeed, prepare_for_deepspeed
+from trainer_ext.backends.deepspeed.cuda_arch import ArchListError, for_deepspeed, prepare_for_deepspeed
 
 
 def deepspeed_parses(value: str) -> bool:
@@ -56,14 +56,14 @@ def test_unreadable_entries_are_an_error_naming_the_variable_and_the_fix(value):
 
 def test_normalised_for_the_process_and_said_once(caplog, monkeypatch):
     """The corrected list must reach DeepSpeed's op build, and the note appear once on rank 0, not on every rank."""
-    from trainer_ext import cuda_arch
+    from trainer_ext.backends.deepspeed import cuda_arch
 
     monkeypatch.setattr(cuda_arch, "_said", [])  # as in a fresh process: nothing said yet
-    with caplog.at_level("WARNING", logger="trainer_ext.cuda_arch"):
+    with caplog.at_level("WARNING", logger="trainer_ext.backends.deepspeed.cuda_arch"):
         assert prepare_for_deepspeed({"TORCH_CUDA_ARCH_LIST": "9.0a", "RANK": "1"}) is not None
     assert caplog.records == []  # another rank: normalised, not said
     env = {"TORCH_CUDA_ARCH_LIST": "9.0a", "RANK": "0"}
-    with caplog.at_level("WARNING", logger="trainer_ext.cuda_arch"):
+    with caplog.at_level("WARNING", logger="trainer_ext.backends.deepspeed.cuda_arch"):
         note = prepare_for_deepspeed(env)
         prepare_for_deepspeed({"TORCH_CUDA_ARCH_LIST": "9.0a", "RANK": "0"})
     assert env["TORCH_CUDA_ARCH_LIST"] == "9.0" and "'9.0a' -> '9.0'" in note
@@ -74,7 +74,7 @@ def test_normalised_for_the_process_and_said_once(caplog, monkeypatch):
 def test_a_bad_value_stops_argument_parsing_with_exit_2_on_gpu_ranks(tmp_path, monkeypatch, capsys):
     """A user's environment mistake is one line and exit status 2, before any model exists. The check runs where
     DeepSpeed builds CUDA ops: this machine has no GPU, so the arguments are told the ranks are not CPU ranks."""
-    from trainer_ext import runtime
+    from trainer_ext.environment import launcher as runtime
     from trainer_ext.config import flags as args_module
 
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "sm_90")

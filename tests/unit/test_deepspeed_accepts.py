@@ -235,7 +235,7 @@ def test_the_top_level_scalars_checked_are_deepspeeds_and_of_its_types(deepspeed
     asks for), and a wrong type there is refused by ds-config and training alike."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from trainer_ext.backends.deepspeed import deepspeed_refusals
+    from trainer_ext.backends.deepspeed.backend import deepspeed_refusals
     from trainer_ext.deepspeed_config.fields import read_field
     from trainer_ext.deepspeed_config.keys import KNOWN_TOP_LEVEL_KEYS, TOP_LEVEL_TYPES
 

@@ -110,3 +110,21 @@ def test_every_flag_a_documented_trainer_ext_command_types_exists(known_flags, c
                 assert known, f"{page.name}: {line}\n  {flag} is not a flag of trainer-ext {command}"
             checked += 1
     assert checked >= 5
+
+
+def test_the_package_is_laid_out_by_concern_as_contributing_says():
+    """At most ten modules at the top of trainer_ext/ (the rest live in a folder named for their concern), and
+    CONTRIBUTING's layout names every folder and module that exists, and none that does not."""
+    package = REPO / "trainer_ext"
+    top = sorted(path.name for path in package.glob("*.py"))
+    assert len(top) <= 10, top
+    text = (REPO / "CONTRIBUTING.md").read_text()
+    layout = text[text.index("\ntrainer_ext/\n"):text.index("\nexamples/ ")]
+    entries = set(re.findall(r"^ +([a-z_0-9]+(?:\.py|/)) ", layout, re.M))  # the first column
+    named = entries | set(re.findall(r"\b([a-z_0-9]+\.py)\b", layout))
+    present = {path.name for path in package.rglob("*.py") if "__pycache__" not in path.parts} \
+        | {f"{path.name}/" for path in package.rglob("*") if path.is_dir() and (path / "__init__.py").exists()}
+    present -= {"__init__.py", "__main__.py"} - named
+    assert present - named == set(), "modules CONTRIBUTING's layout does not describe"
+    stale = entries - present
+    assert stale == set(), "names in CONTRIBUTING's layout that trainer_ext/ no longer has"

@@ -284,7 +284,7 @@ DATA = [{"input_ids": [1, 2, 3, i % 40 + 4], "labels": i % 2} for i in range(32)
 def test_a_disk_without_room_for_a_checkpoint_is_named_before_training(tmp_path, small_disk):
     """--output_dir on a full disk trained until the first save, then failed with SafetensorError / torch's
     "unexpected pos" naming neither the folder nor the checkpoint."""
-    from trainer_ext.output_dir import OutputDirError, checkpoint_bytes
+    from trainer_ext.checkpoints.output_lock import OutputDirError, checkpoint_bytes
 
     disk = small_disk(tmp_path / "disk", "64k")
     args = tiny_args(disk / "out")
@@ -307,7 +307,7 @@ def test_a_save_that_finds_the_disk_full_is_one_line_and_the_rerun_says_why(tmp_
     the unfinished checkpoint before training, and with room again the run trains."""
     import transformers
 
-    from trainer_ext.output_dir import OutputDirError, checkpoint_bytes
+    from trainer_ext.checkpoints.output_lock import OutputDirError, checkpoint_bytes
     from trainer_ext.tasks.common import train_and_save
 
     disk = small_disk(tmp_path / "disk", "1m")
@@ -340,7 +340,7 @@ def test_every_way_a_write_reports_a_full_disk_is_recognised(tmp_path, small_dis
     ("unexpected pos"): each is named, an unrelated error is not; and the lock on a full disk is one line."""
     import safetensors.torch
 
-    from trainer_ext.output_dir import OutputDirError, OutputDirLock, out_of_space
+    from trainer_ext.checkpoints.output_lock import OutputDirError, OutputDirLock, out_of_space
 
     disk = small_disk(tmp_path / "disk", "64k")
     args = tiny_args(disk / "out")
@@ -556,7 +556,7 @@ def test_batch_fields_the_file_cannot_reconcile_say_the_fix_is_in_the_file(tmp_p
      False, ["CPULionBuilder", "AsyncIOBuilder"]),
 ])
 def test_the_ops_a_config_makes_deepspeed_build(config, cpu, builders):
-    from trainer_ext.ops import needed_builders
+    from trainer_ext.backends.deepspeed.ops import needed_builders
 
     assert needed_builders(config, cpu) == builders
 
@@ -568,7 +568,7 @@ def test_a_run_that_would_build_an_op_says_so_and_build_ops_builds_them_ahead(tm
     `trainer-ext build-ops`, see conftest.PREBUILD) a run says nothing, and build-ops only loads them."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    from trainer_ext import ops
+    from trainer_ext.backends.deepspeed import ops
 
     config = {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     assert ops.announce_builds(config) == []  # built in this environment

@@ -99,8 +99,12 @@ def as_launched_rank(monkeypatch):
 
 def loading_args(rank, world_size=2, efficient=True, place_model_on_device=False):
     """Arguments as ExtTrainingArguments hold them (the FSDP backend leaves the model where it was built)."""
+    from transformers.training_args import ParallelMode
+
+    mode = ParallelMode.DISTRIBUTED if world_size > 1 else ParallelMode.NOT_DISTRIBUTED
     return SimpleNamespace(fsdp="full_shard", fsdp_config={"cpu_ram_efficient_loading": efficient}, fsdp_settings=None,
-                           process_index=rank, world_size=world_size, place_model_on_device=place_model_on_device)
+                           process_index=rank, world_size=world_size, place_model_on_device=place_model_on_device,
+                           parallel_mode=mode)
 
 
 def test_sharded_loading_builds_the_model_empty_on_ranks_after_the_first(tmp_path, as_launched_rank):

@@ -86,7 +86,7 @@ def test_every_internal_the_door_uses_exists_in_the_installed_release(owner, nam
     an attribute under the name the door reads or writes: the door's function (and setup.py's range) must follow."""
     if owner.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
-        from trainer_ext.ops import deepspeed_imported
+        from trainer_ext.backends.deepspeed.ops import deepspeed_imported
 
         with deepspeed_imported():
             cls = upstream_class(owner)

@@ -24,22 +24,22 @@ OWN = {"_custom_loss_requested", "_custom_loss", "_learn_whether_loss_reads_num_
 # ("Supported versions"); everything else rides on public hooks.
 PRIVATE_OVERRIDES = {"_get_output_dir", "_wrap_model", "_clip_grad_norm", "_finalize_training"}
 
-# Trainer methods ExtTrainer calls (not overrides), with the arguments it passes them (checkpoint.py's RunCheckpoints and
-# data/loader.py call some of them on its behalf).
+# Trainer methods ExtTrainer calls (not overrides), with the arguments it passes them (checkpoints/policy.py's
+# RunCheckpoints and data/loader.py call some of them on its behalf).
 CALLS = {
     "_load_from_checkpoint": ("checkpoint",),
     "_load_callback_state": (),
     "_remove_unused_columns": ("dataset", "description"),
     "_get_collator_with_removed_columns": ("collator", "description"),
     "_save": ("output_dir", "state_dict"),
-    "_save_checkpoint": ("model", "trial"),  # metrics_check.py: the training so far, before a bad compute_metrics
+    "_save_checkpoint": ("model", "trial"),  # training/metrics_check.py: the run so far, before bad metrics
     "set_initial_training_values": ("args", "dataloader"),
     "get_decay_parameter_names": ("model",),
 }
 
 # Attributes ExtTrainer sets or reads that the Trainer's own code must use under the same name.
 ATTRIBUTES = ("_tr_loss", "_total_loss_scalar", "_initial_global_step", "_created_lr_scheduler", "_train_batch_size", "model_accepts_loss_kwargs",
-              "loss_is_scaled_for_ga", "compute_metrics", "is_in_train")  # the last two: metrics_check.py
+              "loss_is_scaled_for_ga", "compute_metrics", "is_in_train")  # the last two: training/metrics_check.py
 
 
 def parameters(function):
@@ -125,3 +125,16 @@ def test_a_custom_loss_is_divided_by_the_accumulation_steps(tmp_path):
         loss = trainer.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(10))
     trainer.current_gradient_accumulation_steps = 2  # set by the training loop for each optimizer step
     assert torch.allclose(trainer.training_step(model, dict(batch), num_items_in_batch=torch.tensor(10)), loss / 2)
+
+
+def test_the_backend_runtime_has_at_most_15_hooks_and_each_is_called():
+    """backends/base.py is the runtime half of a backend (spec.py the pure half): at most 15 hooks, each called from
+    outside backends/ (a hook nobody calls is a hook a new backend writes for nothing)."""
+    from trainer_ext.backends.base import Backend
+
+    hooks = sorted(name for name, value in vars(Backend).items()
+                   if not name.startswith("_") and (isinstance(value, classmethod) or callable(value)))
+    assert len(hooks) <= 15, hooks
+    package = REPO / "trainer_ext"
+    code = "\n".join(path.read_text() for path in package.rglob("*.py") if "backends" not in path.parts)
+    assert [hook for hook in hooks if f".{hook}(" not in code] == []

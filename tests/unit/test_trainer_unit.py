@@ -198,7 +198,7 @@ def test_a_checkpoint_without_its_loss_record_gives_the_logged_sum(tmp_path):
     means (each over the steps since the previous log) when the last log is at its step, else it is unknown."""
     import json
 
-    from trainer_ext.checkpoint import read_loss_sum
+    from trainer_ext.checkpoints.format import read_loss_sum
 
     state = {"global_step": 6, "log_history": [{"step": 2, "loss": 4.0}, {"step": 3, "eval_loss": 9.0},
                                                {"step": 6, "loss": 2.5}]}

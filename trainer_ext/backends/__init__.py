@@ -10,7 +10,7 @@ from .base import Backend
 # In order of precedence when choosing; the last one (no flag) is the default.
 BACKENDS = {
     "fairscale": (".fairscale", "FairScaleBackend"),
-    "deepspeed": (".deepspeed", "DeepSpeedBackend"),
+    "deepspeed": (".deepspeed.backend", "DeepSpeedBackend"),
     "fsdp": (".fsdp", "FSDPBackend"),
     "ddp": (".ddp", "DDPBackend"),
 }
@@ -31,7 +31,8 @@ def owned_flags() -> dict[str, tuple[str, ...]]:
 
 
 def checkpoint_state_patterns() -> list[str]:
-    """Globs of the backends' own training-state files in a checkpoint folder (checkpoint.py asks, knowing none)."""
+    """Globs of the backends' own training-state files in a checkpoint folder (checkpoints/format.py
+    asks, knowing none)."""
     return [pattern for cls in backend_classes() for pattern in cls.checkpoint_state]
 
 

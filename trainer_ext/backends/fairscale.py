@@ -8,7 +8,7 @@ import logging
 
 from ..errors import ArgumentsError, closest
 from ..integrations import internals
-from .base import Backend, BackendFormula
+from .base import Backend, BackendFormula, ResolvedSettings
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +39,12 @@ class FairScaleBackend(Backend):
         return []
 
     @classmethod
-    def prepare_arguments(cls, args) -> None:
+    def prepare_arguments(cls, args) -> dict:
         import torch
 
-        args.sharded_ddp = parse_options(args.sharded_ddp)  # the option list the backend reads
-        check_machine(args.sharded_ddp, torch.cuda.is_available(), bool(args.fp16 or args.bf16))
+        options = parse_options(args.sharded_ddp)  # the option list the backend reads
+        check_machine(options, torch.cuda.is_available(), bool(args.fp16 or args.bf16))
+        return {"sharded_ddp": options}
 
     @classmethod
     def places_model_on_device(cls, args) -> bool | None:
@@ -82,8 +83,8 @@ class FairScaleBackend(Backend):
         self.wraps_before_optimizer = self.fully_sharded  # FSDP: the optimizer is built on its shards
         self.offload = "offload" in self.options
 
-    def describe(self) -> str:
-        return f"fairscale --sharded_ddp {' '.join(self.options)}"
+    def settings(self) -> ResolvedSettings:
+        return ResolvedSettings(f"fairscale --sharded_ddp {' '.join(self.options)}")
 
     # -- optimizer -------------------------------------------------------------------------------------
     def build_optimizer(self, trainer, param_groups, optimizer_cls, kwargs):
@@ -136,15 +137,13 @@ class FairScaleBackend(Backend):
             return model.clip_grad_norm_(max_norm)
         return sharded_optimizer(trainer.optimizer).clip_grad_norm(max_norm)
 
-    def save_checkpoint(self, trainer, folder) -> None:
-        """Gather the sharded state on rank 0 (a collective: every rank takes part) so that transformers saves one
-        plain optimizer state dict, which resumes on any number of ranks."""
+    def save(self, trainer, folder):
+        """OSS: into a checkpoint, the sharded optimizer state gathered on rank 0 (a collective: every rank takes part)
+        so that transformers saves one plain optimizer state dict, which resumes on any number of ranks. FSDP: the
+        unsharded weights, gathered from every rank (collective)."""
         if not self.fully_sharded:
-            sharded_optimizer(trainer.optimizer).consolidate_state_dict(recipient_rank=0)
-
-    def full_state_dict(self, trainer):
-        """FSDP: the unsharded weights, gathered from every rank (collective); None when nothing is sharded."""
-        if not self.fully_sharded:
+            if folder is not None:
+                sharded_optimizer(trainer.optimizer).consolidate_state_dict(recipient_rank=0)
             return None
         return {k: v.cpu() for k, v in trainer.model_wrapped.state_dict().items()}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import ArgumentsError, UserError, closest
 from ..integrations import internals
-from .base import Backend
+from .base import Backend, ResolvedSettings
 
 logger = logging.getLogger(__name__)
 
@@ -185,21 +185,38 @@ class FSDPBackend(Backend):
         return resolve_settings(fsdp, fsdp_config)[2]
 
     @classmethod
-    def prepare_arguments(cls, args) -> None:
-        from ..runtime import cpu_ranks
+    def prepare_arguments(cls, args) -> dict:
+        from ..environment.launcher import cpu_ranks
 
         settings, config, _ = resolve_settings(args.fsdp, args.fsdp_config)
         if settings.offload and cpu_ranks(args):
             raise ArgumentsError(f"{cls.given_as(args)}: offload moves the shards from the GPU to CPU memory, and on "
                                  "CPU ranks they are there already: drop offload (and cpu_offload/offload_params)")
-        args.fsdp_config = config  # read once (a file or inline JSON), as transformers then reads it
-        args.fsdp_settings = settings
+        # fsdp_config read once (a file or inline JSON), as transformers then reads it
+        return {"fsdp_config": config, "fsdp_settings": settings}
 
     @classmethod
-    def arguments_ready(cls, args) -> None:
+    def arguments_ready(cls, args) -> dict:
         # accelerate turns FSDP on for GPUs only, and would then shard the model itself; this backend wraps it on
         # every device, so accelerate is given no FSDP plugin.
-        args.fsdp_plugin_args = None
+        return {"fsdp_plugin_args": None}
+
+    @classmethod
+    def arguments_for_training(cls, args) -> dict:
+        values = {}
+        if getattr(args, "fsdp_settings", None) is None:  # stock TrainingArguments: transformers normalised the flags
+            settings, _, problems = resolve_settings(args.fsdp, args.fsdp_config)
+            if problems:
+                raise ArgumentsError("\n".join(problems))
+            values = {"fsdp_settings": settings, **cls.arguments_ready(args)}
+        from transformers.training_args import ParallelMode
+
+        if args.parallel_mode != ParallelMode.DISTRIBUTED and args.fsdp:
+            # transformers refuses --fsdp on one process ("only works in distributed training"); fully_shard on a
+            # mesh of one rank trains as one process and writes checkpoints any number of ranks resume. The flag is
+            # hidden from that check; the settings select this backend.
+            values["fsdp"] = False
+        return values
 
     @classmethod
     def places_model_on_device(cls, args) -> bool | None:
@@ -245,27 +262,11 @@ class FSDPBackend(Backend):
         ]
 
     def __init__(self, args=None):
-        super().__init__(args)
-        self.settings: FSDPSettings | None = getattr(args, "fsdp_settings", None)
+        super().__init__(args)  # the library (stock TrainingArguments did not ask)
+        self.resolved: FSDPSettings | None = getattr(args, "fsdp_settings", None)
         self.model = None  # the model fully_shard was applied to (the root)
         self.optimizer = None  # the torch optimizer over its shards
         self.optimizer_file = None  # what transformers' optimizer file holds (OptimizerFile)
-
-    def check(self, args) -> None:
-        super().check(args)  # the library (stock TrainingArguments did not ask)
-        if self.settings is None:  # stock TrainingArguments: transformers normalised the flags into fsdp_config
-            settings, _, problems = resolve_settings(args.fsdp, args.fsdp_config)
-            if problems:
-                raise ArgumentsError("\n".join(problems))
-            self.settings = args.fsdp_settings = settings
-            type(self).arguments_ready(args)
-        from transformers.training_args import ParallelMode
-
-        if args.parallel_mode != ParallelMode.DISTRIBUTED:
-            # transformers refuses --fsdp on one process ("only works in distributed training"); fully_shard on a
-            # mesh of one rank trains as one process and writes checkpoints any number of ranks resume. The flag is
-            # hidden from that check; the settings select this backend.
-            args.fsdp = False
 
     # -- model and optimizer ---------------------------------------------------------------------------------------
     def wrap_model(self, trainer, model):
@@ -274,7 +275,7 @@ class FSDPBackend(Backend):
         if getattr(model, "wraps_fully_sharded", False):
             return model
         if not isinstance(model, FSDPModule):  # (a later train() finds it sharded already)
-            shard(model, self.settings, trainer.args)
+            shard(model, self.resolved, trainer.args)
             # autocast under --bf16/--fp16 as DDP runs it (softmax, norms, losses in fp32), over the policy's
             # 16-bit parameters; accelerate wraps nothing in evaluation mode.
             trainer.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
@@ -325,12 +326,16 @@ class FSDPBackend(Backend):
         return total
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
-    def save_checkpoint(self, trainer, folder) -> None:
-        """Every rank writes its optimizer shard into `<checkpoint>/optimizer_shards` (torch.distributed.checkpoint:
-        one file per rank and the layout, which any number of ranks can read back); transformers' optimizer file
-        then says where the state is."""
-        if self.model is None or self.optimizer is None or trainer.args.save_only_model:
-            return
+    def save(self, trainer, folder):
+        """Into a checkpoint, every rank writes its optimizer shard into `<checkpoint>/optimizer_shards`
+        (torch.distributed.checkpoint: one file per rank and the layout, which any number of ranks can read back);
+        transformers' optimizer file then says where the state is. Returns the whole model (full_state_dict)."""
+        if folder is not None and self.model is not None and self.optimizer is not None \
+                and not trainer.args.save_only_model:
+            self.save_optimizer_shards(folder)
+        return self.full_state_dict()
+
+    def save_optimizer_shards(self, folder) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -339,9 +344,11 @@ class FSDPBackend(Backend):
         dcp.save(state, checkpoint_id=str(Path(folder) / SHARDS))
         self.optimizer_file.stub_next = True
 
-    def load_checkpoint(self, trainer, checkpoint) -> None:
-        """The optimizer's shards, re-sharded by torch.distributed.checkpoint for this run's ranks (the weights came
-        from the checkpoint's consolidated model, loaded by transformers before wrapping)."""
+    def on_train_begin(self, trainer, checkpoint) -> None:
+        """Resuming: the optimizer's shards, re-sharded by torch.distributed.checkpoint for this run's ranks (the
+        weights came from the checkpoint's consolidated model, loaded by transformers before wrapping)."""
+        if checkpoint is None:
+            return
         folder = Path(checkpoint) / SHARDS
         if not folder.is_dir():
             if trainer._resume and trainer._resume.get("weights_only"):  # said by RunCheckpoints.check_training_state
@@ -356,7 +363,7 @@ class FSDPBackend(Backend):
         dcp.load(state, checkpoint_id=str(folder))
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
 
-    def full_state_dict(self, trainer):
+    def full_state_dict(self):
         """The whole model, gathered tensor by tensor into the main process's CPU memory (every rank takes part)."""
         if self.model is None:  # not wrapped yet (evaluation only): every rank holds the whole model
             return None
@@ -364,24 +371,22 @@ class FSDPBackend(Backend):
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def model_fingerprint(self, module) -> dict:
-        fingerprint = super().model_fingerprint(module)  # a DTensor's numel is the whole parameter's
+    @classmethod
+    def fingerprint(cls, module) -> dict:
+        fingerprint = super().fingerprint(module)  # a DTensor's numel is the whole parameter's
         fingerprint["model_class"] = fingerprint["model_class"].removeprefix("FSDP")  # fully_shard's class, as
         return fingerprint  # transformers names it in config.json
 
     # -- what it tells ---------------------------------------------------------------------------------------------
-    def describe(self) -> str:
-        return f"fsdp2 {self.settings.describe()}" if self.settings else "fsdp2"
-
-    def settings_lines(self) -> list[str]:
-        if self.settings is None:
-            return []
+    def settings(self) -> ResolvedSettings:
+        if self.resolved is None:
+            return ResolvedSettings("fsdp2")
         import torch.distributed as dist
 
         # the mesh is this device type's; its collectives run on the process group accelerate made (nccl, gloo)
         group = f" (process group: {dist.get_backend()})" if dist.is_initialized() else ""
         lines = [f"fully_shard on a {self.args.device.type} mesh of {self.args.world_size} rank(s){group} "
-                 f"{json.dumps(asdict(self.settings))}"]
+                 f"{json.dumps(asdict(self.resolved))}"]
         compute = "bf16" if getattr(self.args, "bf16", False) else "fp16" if getattr(self.args, "fp16", False) else None
         if compute:  # what MixedPrecisionPolicy does (shard): users check that the upcast is applied
             lines.append(f"mixed precision: {compute} parameters gathered for forward and backward, gradients reduced "
@@ -389,12 +394,8 @@ class FSDPBackend(Backend):
         if partitioned_loading(self.args):
             lines.append("partitioned loading (cpu_ram_efficient_loading): rank 0 loads the model, the other ranks "
                          "build it empty and receive only their shards from rank 0 after fully_shard")
-        return lines
-
-    def save_settings(self, output_dir) -> None:
-        if self.settings is not None:
-            path = Path(output_dir) / "fsdp_settings.resolved.json"
-            path.write_text(json.dumps(asdict(self.settings), indent=2) + "\n")
+        return ResolvedSettings(f"fsdp2 {self.resolved.describe()}", tuple(lines),
+                                {"fsdp_settings.resolved.json": asdict(self.resolved)})
 
 
 def reshard(model) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..backends import selection_problems
 from ..errors import ArgumentsError, closest
-from ..sagemaker import parse_list
+from ..environment.sagemaker import parse_list
 from .optimizer import merge_warmup_ratio
 from .ranges import FLAG_RANGES, TRAINING_RANGES, out_of_range
 

@@ -258,7 +258,7 @@ def _is_path(key: str, value: str) -> bool:
     """Not inline JSON, an fsspec URL, or resume_from_checkpoint's auto / true / false."""
     if key not in PATH_FIELDS + NAME_OR_PATH_FIELDS or not value or value.lstrip().startswith("{") or "://" in value:
         return False
-    from ..checkpoint import PATH, resume_request
+    from ..checkpoints.format import PATH, resume_request
 
     return not (key == "resume_from_checkpoint" and resume_request(value) != PATH)
 

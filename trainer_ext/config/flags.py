@@ -18,13 +18,14 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from ..backends import backend_class
 from ..backends.fairscale import OPTIONS as SHARDED_DDP_OPTIONS
-from ..checkpoint import CheckpointNotFoundError
+from ..checkpoints.format import CheckpointNotFoundError
 from ..errors import ArgumentsError, UserError, closest, debugging, main_process
-from ..runtime import check_fp16_device, check_rank_variables, prepare_cpu_ranks
-from ..sagemaker import prepare_arguments as prepare_sagemaker
-from ..sagemaker import spread_lists
+from ..environment.launcher import check_fp16_device, check_rank_variables, prepare_cpu_ranks
+from ..environment.sagemaker import prepare_arguments as prepare_sagemaker
+from ..environment.sagemaker import spread_lists
 from .checks import (FP16_BACKENDS, FP16_OPT_LEVELS, flag_problems, package_problems, read_text_flags,
                      shown_storage_options)
+from .settings import write
 
 logger = logging.getLogger(__name__)
 
@@ -94,29 +95,28 @@ class ExtTrainingArguments(TrainingArguments):
         # __new__, not __init__: it sees the constructor's arguments in every dataclass subclass too (each generates
         # its own __init__), before __post_init__ resolves the DeepSpeed file against the flags.
         self = super().__new__(cls)
-        self.flags_given = fields_given(cls, args, kwargs)  # deepspeed_config.flag_given reads it
+        write(self, {"flags_given": fields_given(cls, args, kwargs)})  # deepspeed_config.flag_given reads it
         return self
 
     def __post_init__(self):
         check_rank_variables()  # leftover WORLD_SIZE/RANK without a launcher: seconds, not a wait for peers forever
-        prepare_sagemaker(self)  # in a SageMaker job: where the model and checkpoints go; nothing elsewhere
+        write(self, prepare_sagemaker(self))  # in a SageMaker job: where the model and checkpoints go; nothing elsewhere
         # What this machine cannot change (trainer-ext ds-config runs the same), then the packages the flags need here.
         if problems := flag_problems(self) + package_problems(self):
             raise ArgumentsError("\n".join(problems))
-        for name, value in read_text_flags(self).items():
-            setattr(self, name, value)
-        self.deepspeed_resolution = None  # set by the DeepSpeed backend: the config resolved against these flags
-        backend_class(self).prepare_arguments(self)
+        write(self, read_text_flags(self))
+        # The selected backend's settings (DeepSpeed: the config resolved against these flags, as deepspeed_resolution).
+        write(self, {"deepspeed_resolution": None, **backend_class(self).prepare_arguments(self)})
         if missing := backend_class(self).missing_library(self):  # before transformers or accelerate import it
             raise ArgumentsError(missing)
         check_fp16_device(self.fp16, torch.cuda.is_available(), from_deepspeed_file=False)
         self.check_output_dir()
         self.check_paths()
-        prepare_cpu_ranks(self)
+        write(self, prepare_cpu_ranks(self))
         if self.include_num_input_tokens_seen is True:  # transformers reads True as "all", padding included
-            self.include_num_input_tokens_seen = "non_padding"
+            write(self, {"include_num_input_tokens_seen": "non_padding"})
         super().__post_init__()
-        backend_class(self).arguments_ready(self)
+        write(self, backend_class(self).arguments_ready(self))
 
     def to_dict(self):
         # What TensorBoard's hparams, W&B, MLflow and to_json_string record: credentials in the storage options hidden,
@@ -157,7 +157,7 @@ class ExtTrainingArguments(TrainingArguments):
     def check_paths(self) -> None:
         """An explicit checkpoint exists, checked before the model is loaded (seconds to minutes on a big model);
         --checkpoint_uri takes a write once the process is prepared (prepare_process)."""
-        from ..checkpoint import PATH, resume_request
+        from ..checkpoints.format import PATH, resume_request
 
         resume = self.resume_from_checkpoint
         if isinstance(resume, str) and resume_request(resume) == PATH and not os.path.isdir(resume):

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..runtime import world_size_from_environment
+from ..environment.launcher import world_size_from_environment
 from .fields import Origin, Source, iter_fields, numbers_from_strings, set_field, show, source_of
 from .load import DeepSpeedConfigError, load_deepspeed_config
 from .passes import (Draft, Run, batch, check_keys, clipping, field_types, file_scheduler, flag_scheduler, flag_value,

@@ -73,6 +73,7 @@ UPSTREAM = (
     ("transformers.Trainer", "_initial_global_step", "attribute"),
     ("transformers.Trainer", "_created_lr_scheduler", "attribute"),
     ("transformers.Trainer", "_train_batch_size", "attribute"),
+    ("transformers.TrainingArguments", "_setup_devices", "attribute"),
     ("transformers.Trainer", "model_wrapped", "written"),
     ("transformers.Trainer", "deepspeed", "written"),
     ("transformers.Trainer", "is_deepspeed_enabled", "written"),
@@ -90,7 +91,14 @@ UPSTREAM = (
     ("deepspeed.runtime.config.DeepSpeedConfig", "_initialize_params", "method"),
     ("datasets.IterableDataset", "_ex_iterable", "attribute"),
     ("optuna.trial.FrozenTrial", "_trial_id", "attribute"),
+    ("optuna.storages._heartbeat", "get_heartbeat_thread", "method"),
 )
+
+
+# -- transformers' TrainingArguments -------------------------------------------------------------------------------
+def forget_device_setup(args) -> None:
+    """Drop transformers' cached device set-up (a cached_property), so that reading `args.device` runs it again."""
+    args.__dict__.pop("_setup_devices", None)
 
 
 # -- transformers' Trainer ---------------------------------------------------------------------------------------
@@ -255,3 +263,11 @@ def example_iterable(dataset):
 def optuna_trial_id(trial) -> int:
     """The storage's id of an Optuna trial (what its storage API is keyed by)."""
     return trial._trial_id
+
+
+def optuna_heartbeat_thread(trial_id: int, storage):
+    """Optuna's own heartbeat for one trial, the thread Study.optimize runs (public API has only record_heartbeat):
+    start() stamps at once and then every heartbeat_interval; join() stops it."""
+    from optuna.storages._heartbeat import get_heartbeat_thread
+
+    return get_heartbeat_thread(trial_id, storage)

@@ -12,7 +12,7 @@ import os
 
 from transformers import TrainerCallback
 
-from ..preemption import max_over_ranks
+from ..checkpoints.preemption import max_over_ranks
 from . import PRUNED_ATTR, PRUNED_STATUS, TRIAL_ENV
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..checkpoint import STAGING, checkpoint_step, newest_valid_checkpoint
+from ..checkpoints.format import STAGING, checkpoint_step, newest_valid_checkpoint
 
 MODEL = "model"  # <checkpoint_uri>/trial-N/model/: the finished trial's folder, without its checkpoints
 MODEL_MARKER = "model_complete.json"  # uploaded last: the file list of a complete copy
@@ -18,7 +18,7 @@ BEST_RECORD = "search_trial.json"  # in a copied best/: which trial it holds and
 
 
 def remote(uri: str, options: dict | None):
-    from ..remote import RemoteCheckpoints
+    from ..checkpoints.remote import RemoteCheckpoints
 
     return RemoteCheckpoints(uri, options)
 

@@ -13,7 +13,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from ..checkpoint import newest_valid_checkpoint
+from ..checkpoints.format import newest_valid_checkpoint
 from . import PRUNED_ATTR
 from .copies import copied_trial, download_model, remove_remote, replace
 from .study import shown

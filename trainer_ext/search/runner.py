@@ -19,7 +19,7 @@ from .launch import Launcher, device_slots, group_gone, start, stop, stop_and_wa
 from .report import keep_best, short, trial_outcome, write
 from .space import SearchSettings, trial_flags
 from .study import open_study, storage, trial_id, with_sampler
-from ..processes import alive, same_process, this_process
+from ..environment.processes import alive, same_process, this_process
 from .workers import STOPPED, Heartbeat, StudyLock, Watch, this_worker
 
 POLL_S = 0.5

@@ -9,7 +9,7 @@ import threading
 import time
 
 from ..integrations import internals
-from ..processes import alive, same_process, this_process
+from ..environment.processes import alive, same_process, this_process
 
 STOPPED = "stopped"  # the heartbeat of a trial whose worker stopped cleanly (SIGTERM): others may continue it at once
 

@@ -376,7 +376,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     from transformers import AutoModelForCausalLM, set_seed
 
     from ..data.packing import CausalLMCollator, pack_dataset
-    from ..process_setup import prepare_process, sharded_loading
+    from ..environment.prepare import prepare_process, sharded_loading
     from ..trainer import ExtTrainer
     from .chat_data import read_rows
     from .common import (check_best_metric, check_output_dir, check_sequence_length, check_something_to_do,

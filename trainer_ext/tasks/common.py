@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ArgumentsError, UserError
-from ..sagemaker import channel_files
+from ..environment.sagemaker import channel_files
 
 REPO = Path(__file__).resolve().parents[2]  # shipped data lives in a source checkout's data/
 
@@ -220,7 +220,7 @@ def first(dataset, limit):
 def train_and_save(trainer, training_args, train_samples: int) -> dict:
     """Train (resuming as ExtTrainer does), save the model and state, report and return the training metrics. A re-run
     of a finished command trains nothing and leaves the model, state and metrics files of the finished run alone."""
-    from ..output_dir import out_of_space
+    from ..checkpoints.output_lock import out_of_space
 
     try:
         outcome = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -254,7 +254,7 @@ def check_something_to_do(training_args, data_args, steps=("do_train", "do_eval"
 def check_output_dir(training_args, model_path) -> None:
     """A training run never writes over the model it starts from, nor into a folder another run is writing (seconds,
     before the model loads; ExtTrainer.train takes the lock itself)."""
-    from ..output_dir import OutputDirError, check_not_the_model, holder_problem
+    from ..checkpoints.output_lock import OutputDirError, check_not_the_model, holder_problem
 
     if not training_args.do_train:
         return

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -92,14 +92,14 @@ def holder_problem(output_dir) -> str | None:
 
 
 def _ours(record: dict) -> bool:
-    from .processes import same_process, this_process
+    from ..environment.processes import same_process, this_process
 
     return same_process(record, this_process())  # host, pid and start time: a reused pid is not us
 
 
 def _stale(output_dir, record: dict) -> bool:
     """A lock whose process is gone: on this host by its pid and start time; elsewhere when its heartbeat stopped."""
-    from .processes import alive
+    from ..environment.processes import alive
 
     if not record or "pid" not in record:
         return True
@@ -138,7 +138,7 @@ class OutputDirLock:
         return lock
 
     def _take(self) -> None:
-        from .processes import this_process
+        from ..environment.processes import this_process
 
         self.created_folder = not self.output_dir.exists()
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -296,8 +296,8 @@ def room_problem(args, model) -> str | None:
     state), or --output_dir's disk the final model, or None. The unfinished checkpoint of an earlier run (.staging) is
     named: it is removed only once the lock is written, which needs room too. A disk whose size is unknown (total 0:
     some network mounts) passes."""
-    from .checkpoint import staging_dir
-    from .run_checkpoints import checkpoint_folder
+    from .format import staging_dir
+    from .policy import checkpoint_folder
 
     if model is None:  # model_init builds it inside train()
         return None
@@ -365,8 +365,8 @@ def out_of_space(err: BaseException, args, model) -> OutputDirError | None:
     """The one line for a save that failed on a full disk (or a used-up quota): the folder, what was being written,
     the space one checkpoint needs; None for any other error. torch.save's error names no errno ("unexpected pos
     ..."), so a failed serialization on a disk with less room than a checkpoint counts too."""
-    from .checkpoint import STAGING
-    from .run_checkpoints import checkpoint_folder
+    from .format import STAGING
+    from .policy import checkpoint_folder
 
     if isinstance(err, UserError):
         return None

@@ -11,8 +11,8 @@ import shutil
 import threading
 from pathlib import Path
 
-from .checkpoint import CHECKSUM, MARKER, STAGING, checkpoint_step, damaged_file, publish
-from .errors import UserError
+from .format import CHECKSUM, MARKER, STAGING, checkpoint_step, damaged_file, publish
+from ..errors import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -42,11 +42,12 @@ def describe_settings(backend, args, state) -> str:
     # A resumed state holds the checkpoint's batch size; it is the one trained only when auto_find_batch_size found it.
     per_device = (state.train_batch_size if args.auto_find_batch_size and state.train_batch_size
                   else args.per_device_train_batch_size)
-    lines = [f"trainer_ext: backend {backend.describe()} on {args.world_size} rank(s), device {args.device.type}",
+    settings = backend.settings()
+    lines = [f"trainer_ext: backend {settings.description} on {args.world_size} rank(s), device {args.device.type}",
              f"  batch {per_device} per device x {args.gradient_accumulation_steps} accumulation x {args.world_size} "
              f"ranks = {per_device * args.gradient_accumulation_steps * args.world_size} per step; "
              f"{state.max_steps} steps; {precision}"]
-    lines += [f"  {line}" for line in backend.settings_lines()]
+    lines += [f"  {line}" for line in settings.lines]
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 
-from .errors import ArgumentsError
+from ...errors import ArgumentsError
 
 logger = logging.getLogger(__name__)
 

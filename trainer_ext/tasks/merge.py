@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import ArgumentsError, MissingLibraryError
+from ..errors import ArgumentsError, MissingLibraryError
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -37,7 +37,7 @@ def merge_adapter(adapter_dir, output_dir, base_model: str | None = None, dtype:
         raise MissingLibraryError("trainer-ext merge needs peft: pip install \"trainer_ext[llm]\"") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .tasks.common import reading
+    from .common import reading
 
     with reading("--base_model" if base_model else f"{config_file.name}'s base_model_name_or_path", base, "model"):
         model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype))

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ArgumentsError, main_process
+from ..errors import ArgumentsError, main_process
 
 logger = logging.getLogger(__name__)
 
@@ -95,26 +95,27 @@ def refuse_smdistributed(environ=None) -> None:
                              f"{TORCH_DISTRIBUTED}, with --deepspeed zero3 for a model bigger than one device")
 
 
-def prepare_arguments(args, job: Job | None = None) -> None:
+def prepare_arguments(args, job: Job | None = None) -> dict:
     """Inside a job: refuse smdistributed; with no --output_dir hyperparameter output_dir is SM_MODEL_DIR (the final
     model, which ExtTrainer saves there when training ends, tokenizer and *_results.json); checkpoints go to the synced
     checkpoint folder unless --checkpoint_dir says otherwise (also when --output_dir is /opt/ml/model: they would be
-    tarred into the model). Values only; works on ExtTrainingArguments and on stock TrainingArguments (prepare_process
-    calls it); calling it again changes nothing."""
+    tarred into the model). Returns the fields to set (config.settings writes them); works on ExtTrainingArguments
+    and on stock TrainingArguments (prepare_process calls it); once they are set it returns none."""
     job = job or current_job()
     if job is None:
-        return
+        return {}
     refuse_smdistributed()
-    changed = []
+    changed, values = [], {}
     if args.output_dir in (None, TRANSFORMERS_OUTPUT_DIR) and "output_dir" not in job.hyperparameters:
-        args.output_dir = str(job.model_dir)
+        values["output_dir"] = str(job.model_dir)
         changed.append(f"output_dir is {job.model_dir} (SM_MODEL_DIR): ExtTrainer saves the final model there when "
                        "training ends")
     if not getattr(args, "checkpoint_dir", None):
         refuse_unresumable_zero(args, job)
-        args.checkpoint_dir = str(job.checkpoint_dir)  # an attribute of its own on stock TrainingArguments
+        values["checkpoint_dir"] = str(job.checkpoint_dir)  # an attribute of its own on stock TrainingArguments
         changed.append(f"checkpoints to {job.checkpoint_dir} (synced with checkpoint_s3_uri; resumed from there)")
     say(job, changed)
+    return values
 
 
 def prepare_environment(job: Job | None = None) -> None:
@@ -182,7 +183,7 @@ def save_final_model(trainer, finished_before: bool = False) -> Path | None:
 
 def holds_model(folder: Path) -> bool:
     """Complete Hugging Face weights (one file, or an index and all its shards) or a PEFT adapter."""
-    from .checkpoint import loadable_weights
+    from ..checkpoints.format import loadable_weights
 
     return loadable_weights(folder) is not None or any(folder.glob("adapter_model.*"))
 
@@ -192,8 +193,8 @@ def copy_model_files(checkpoint: Path, folder: Path) -> None:
     copied aside and renamed into place, the weights last: a copy cut short never looks like a model."""
     import shutil
 
-    from .backends import checkpoint_state_patterns
-    from .checkpoint import MARKER
+    from ..backends import checkpoint_state_patterns
+    from ..checkpoints.format import MARKER
 
     skipped = (*TRAINING_STATE, MARKER, *checkpoint_state_patterns())
     files = [path for path in checkpoint.iterdir() if path.is_file() and not any(path.match(p) for p in skipped)]

@@ -8,7 +8,8 @@ import logging
 import os
 import weakref
 
-from .errors import ArgumentsError, UserError
+from ..errors import ArgumentsError, UserError
+from ..integrations import internals
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def form_one_rank_group(args) -> bool:
     arguments were built, without them), which forms the group as a launcher's rank does. True when it did."""
     if not launch_one_rank_without_launcher():
         return False
-    args.__dict__.pop("_setup_devices", None)  # transformers' cached device set-up; running it again resets accelerate's
+    internals.forget_device_setup(args)  # running transformers' device set-up again resets accelerate's
     args.device  # noqa: B018 (the property sets up the process group)
     return True
 
@@ -120,17 +121,19 @@ def accelerator_available() -> bool:
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
-def prepare_cpu_ranks(args) -> None:
+def prepare_cpu_ranks(args) -> dict:
     """Ranks launched on a machine without a GPU form one gloo group (--use_cpu), with no pinned memory (nothing to pin
-    for; torch would warn on every dataloader). Values only: each rank's share of the cores is prepare_process's."""
-    launched = launched_world_size()
+    for; torch would warn on every dataloader): the fields to set (config.settings writes them). Values only: each
+    rank's share of the cores is prepare_process's."""
+    launched, values = launched_world_size(), {}
     if launched > 1 and not args.use_cpu and not accelerator_available():
         # Without it transformers 5 leaves each CPU rank on its own: N independent runs, no error.
         logger.warning("%d ranks launched and no GPU: setting --use_cpu so the ranks form one gloo process group",
                        launched)
-        args.use_cpu = True
-    if cpu_ranks(args) and not accelerator_available():
-        args.dataloader_pin_memory = False
+        values["use_cpu"] = True
+    if (values or cpu_ranks(args)) and not accelerator_available():
+        values["dataloader_pin_memory"] = False
+    return values
 
 
 def cpu_ranks(args) -> bool:
@@ -163,21 +166,18 @@ def _release() -> None:
 
     import torch
 
-    from .integrations import internals
-
     # A wrapper or engine still referenced keeps the group alive past destroy_process_group, to be torn down
     # mid-interpreter-shutdown: drop the trainers' references first.
-    backends = []
+    afterwards = []
     for trainer in list(_TRAINERS):
         internals.set_wrapped_model(trainer, trainer.model)
         trainer.accelerator.free_memory()
-        trainer.backend.drop_references(trainer)
-        backends.append(trainer.backend)
+        afterwards.append(trainer.backend.teardown(trainer))
     gc.collect()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    for backend in backends:
-        backend.teardown()
+    for cleanup in filter(None, afterwards):
+        cleanup()
 
 
 def check_process_group(args) -> None:

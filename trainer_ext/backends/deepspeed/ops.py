@@ -28,7 +28,7 @@ def deepspeed_imported():
     (DS_ACCELERATOR=cpu for the import only; the DeepSpeed backend's prepare_environment sets the same choice for the
     run itself), and with the environment variables as they were after a first import (checking a config is not a
     run: tests/integration/test_args.py compares the process with stock arguments')."""
-    from .runtime import accelerator_available
+    from ...environment.launcher import accelerator_available
 
     first = "deepspeed" not in sys.modules
     before = dict(os.environ)
@@ -95,7 +95,7 @@ def needed_builders(config: dict, cpu_accelerator: bool) -> list[str]:
     """DeepSpeed's op builders a run of this resolved config loads (deepspeed/comm/torch.py and the engine's
     _configure_basic_optimizer): the shared-memory all-reduce on CPU ranks, the optimizer's fused or CPU kernel, and
     async_io for ZeRO-3's NVMe offload."""
-    from .deepspeed_config.passes import nvme_offloads
+    from ...deepspeed_config.passes import nvme_offloads
 
     builders = ["ShareMemCommBuilder"] if cpu_accelerator else []
     optimizer = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
@@ -164,7 +164,7 @@ def announce_builds(config: dict) -> list[str]:
     """Before DeepSpeed loads an op this run needs and this environment has not built: say which, that it is built once
     per environment, roughly how long it takes and how to build it ahead (main process, once per op); DeepSpeed itself
     prints nothing while it compiles. Returns what was said."""
-    from .errors import main_process
+    from ...errors import main_process
 
     cpu = cpu_accelerator()
     said = []
@@ -194,7 +194,7 @@ def build_ops(out=None, only=None) -> int:
         prepare_for_deepspeed()  # a TORCH_CUDA_ARCH_LIST DeepSpeed's builder can read
     builders = op_builders(DEFAULT_BUILDERS)
     if only:
-        from .errors import ArgumentsError, closest
+        from ...errors import ArgumentsError, closest
 
         names = [builder.NAME for builder in builders]
         unknown = [name for name in only if name not in names]

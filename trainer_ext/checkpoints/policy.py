@@ -14,12 +14,12 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .checkpoint import (AUTO, DATA_STATE, FRESH, LOSS_STATE, MARKER, NEWEST, CheckpointError, CheckpointNotFoundError,
+from .format import (AUTO, DATA_STATE, FRESH, LOSS_STATE, MARKER, NEWEST, CheckpointError, CheckpointNotFoundError,
                          check_compatible, damage, newest_valid_checkpoint, problem_with, publish, read_loss_sum,
                          relaid_weights, resume_request, rotate, staging_dir, valid_checkpoints)
-from .backends import backend_classes
-from .integrations import internals
-from .sagemaker import checkpoints_to_keep
+from ..backends import backend_classes
+from ..integrations import internals
+from ..environment.sagemaker import checkpoints_to_keep
 
 logger = logging.getLogger(__name__)
 
@@ -122,12 +122,13 @@ class RunCheckpoints(TrainerCallback):
                                checkpoint)
             return False
         other = writer is not None and writer.optimizer_state != backend.optimizer_state
-        holds = (f"was written by {writer_text(checkpoint)}, whose optimizer state {backend.describe()} cannot read"
+        described = backend.settings().description
+        holds = (f"was written by {writer_text(checkpoint)}, whose optimizer state {described} cannot read"
                  if other else "holds no optimizer state (saved with --save_only_model)")
         if getattr(self.args, "resume_weights_only", False):
             if not backend.resumes_weights_only:
                 raise CheckpointError(
-                    f"--resume_weights_only: {checkpoint} {holds}, and {backend.describe()} resumes only from its own "
+                    f"--resume_weights_only: {checkpoint} {holds}, and {described} resumes only from its own "
                     f"checkpoints: start a new run from its weights (--model_name_or_path {checkpoint} in the "
                     "examples, from_pretrained in a script), or resume it without --deepspeed")
             if self.trainer.is_world_process_zero():
@@ -184,7 +185,8 @@ class RunCheckpoints(TrainerCallback):
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         if optimizer is None:
             return
-        fresh = trainer.backend.optimizer_hyperparameters(trainer) or trainer.fresh_optimizer_groups or []
+        own = trainer.backend.settings().optimizer  # an optimizer the backend builds from its own settings
+        fresh = [dict(own) for _ in optimizer.param_groups] if own else trainer.fresh_optimizer_groups or []
         changed = restore_hyperparameters(optimizer.param_groups, fresh, scheduler)
         rates = laid_out_rates(scheduler, step)
         before = [group["lr"] for group in optimizer.param_groups]
@@ -304,9 +306,10 @@ class RunCheckpoints(TrainerCallback):
             state.save_to_json(str(staged / "trainer_state.json"))
         module = trainer.backend.unwrap(trainer.accelerator.unwrap_model(trainer.model))
         final = publish(staged, run_dir, {"step": state.global_step, "world_size": self.args.world_size,
-                                          "backend": trainer.backend.describe(), "backend_name": trainer.backend.name,
+                                          "backend": trainer.backend.settings().description,
+                                          "backend_name": trainer.backend.name,
                                           "optimizer": optimizer_record(trainer),
-                                          "model": trainer.backend.model_fingerprint(module)})
+                                          "model": trainer.backend.fingerprint(module)})
         deleted = rotate(run_dir, checkpoints_to_keep(self.args.save_total_limit),
                          keep=Path(state.best_model_checkpoint) if state.best_model_checkpoint else None)
         if self.remote is not None:  # in the background: the next step does not wait for the copy

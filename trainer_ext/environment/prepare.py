@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import weakref
 
-from .backends import Backend, backend_class
-from .ops import import_deepspeed_quietly
-from .runtime import cpu_ranks, form_one_rank_group, share_cores_between_cpu_ranks
+from ..backends import Backend, backend_class
+from ..backends.deepspeed.ops import import_deepspeed_quietly
+from ..config.settings import write
+from .launcher import cpu_ranks, form_one_rank_group, share_cores_between_cpu_ranks
 from .sagemaker import prepare_arguments as prepare_sagemaker_arguments
 from .sagemaker import prepare_environment as prepare_sagemaker_environment
 
@@ -24,7 +25,7 @@ def prepare_process(args) -> None:
     process: one probe object, then deleted) before any model is loaded."""
     if args is None or any(ref() is args for ref in _PREPARED):
         return  # the recipes, sharded_loading and ExtTrainer each call it: the work is done once
-    prepare_sagemaker_arguments(args)  # ExtTrainingArguments did when built; stock TrainingArguments did not
+    write(args, prepare_sagemaker_arguments(args))  # ExtTrainingArguments did when built; stock TrainingArguments not
     prepare_sagemaker_environment()
     import_deepspeed_quietly()
     if cpu_ranks(args):
@@ -32,6 +33,7 @@ def prepare_process(args) -> None:
     backend = backend_class(args)
     if backend.needs_process_group:
         form_one_rank_group(args)
+    write(args, backend.arguments_for_training(args))  # stock TrainingArguments resolved as parsing would have
     backend.prepare_process(args)
     check_checkpoint_uri(args)
     try:
@@ -46,7 +48,7 @@ def check_checkpoint_uri(args) -> None:
     uri = getattr(args, "checkpoint_uri", None)
     if not uri or not args.should_save:
         return
-    from .remote import RemoteCheckpoints
+    from ..checkpoints.remote import RemoteCheckpoints
 
     RemoteCheckpoints(uri, getattr(args, "checkpoint_storage_options", None)).check()
 

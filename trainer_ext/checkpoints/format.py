@@ -1,7 +1,7 @@
 """What a checkpoint folder is: written to a staging folder and renamed into place with a marker file only when
 complete; the marker records every file's size and checksum and the process that wrote it, so resume picks the newest
 checkpoint that is complete and still intact (a disk or sync fault can damage a file after the save finished);
-rotation never deletes the only valid one. Which checkpoint a run resumes is run_checkpoints.py's."""
+rotation never deletes the only valid one. Which checkpoint a run resumes is policy.py's."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from .errors import UserError, UserFileNotFoundError
+from ..errors import UserError, UserFileNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def problem_with(path: Path, checksums: bool = False) -> str | None:
         json.loads((path / "trainer_state.json").read_text())
     except (OSError, ValueError) as err:
         return f"unreadable metadata ({err})"
-    from .backends import checkpoint_state_patterns
+    from ..backends import checkpoint_state_patterns
 
     # Hugging Face weight files, or a backend's own training state (which holds the weights without them)
     patterns = checkpoint_state_patterns()

@@ -13,10 +13,10 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..deepspeed_config import finish_deepspeed_config, resolve_deepspeed_config
-from ..deepspeed_config.keys import HIDDEN_SIZE_AUTO, ZERO3_COST
-from ..integrations import internals
-from .base import Backend, BackendFormula
+from ...deepspeed_config import finish_deepspeed_config, resolve_deepspeed_config
+from ...deepspeed_config.keys import HIDDEN_SIZE_AUTO, ZERO3_COST
+from ...integrations import internals
+from ..base import Backend, BackendFormula, ResolvedSettings
 
 logger = logging.getLogger(__name__)
 
@@ -38,19 +38,19 @@ class DeepSpeedBackend(Backend):
     resumes_weights_only = False  # transformers resumes the engine from its own files only
 
     @classmethod
-    def prepare_arguments(cls, args) -> None:
+    def prepare_arguments(cls, args) -> dict:
         """Phase 1 of the translation (with DeepSpeed's own check of the file), before transformers builds its own
         DeepSpeed config from `args.deepspeed`."""
-        from ..cuda_arch import check_for_deepspeed
-        from ..runtime import cpu_ranks
+        from .cuda_arch import check_for_deepspeed
+        from ...environment.launcher import cpu_ranks
 
         if not cpu_ranks(args):
             check_for_deepspeed()  # a TORCH_CUDA_ARCH_LIST its op builder cannot read: refused before any work
-        apply_resolution(args, resolve_checked(args, args.deepspeed, this_machine=True, final=False,
-                                               cpu_ranks=cpu_ranks(args)))
+        return resolution_fields(resolve_checked(args, args.deepspeed, this_machine=True, final=False,
+                                                 cpu_ranks=cpu_ranks(args)))
 
     @classmethod
-    def arguments_ready(cls, args) -> None:
+    def arguments_ready(cls, args) -> dict:
         """Under a launcher transformers' device set-up has just formed the process group (and on GPUs had DeepSpeed
         join it): under ZeRO-3 DeepSpeed joins it on CPU ranks too, so a model the script loads before ExtTrainer
         works as on GPUs. Without a launcher there is no group, and nothing is formed here."""
@@ -58,6 +58,11 @@ class DeepSpeedBackend(Backend):
 
         if zero_stage(args.deepspeed_resolution) == 3 and torch.distributed.is_initialized():
             join_deepspeed_group()
+        return {}
+
+    @classmethod
+    def arguments_for_training(cls, args) -> dict:
+        return {} if getattr(args, "deepspeed_resolution", None) is not None else stock_arguments(args)
 
     @classmethod
     def prepare_process(cls, args) -> None:
@@ -68,10 +73,10 @@ class DeepSpeedBackend(Backend):
         imported it first and took it back."""
         import os
 
-        from ..cuda_arch import prepare_for_deepspeed
-        from ..leftovers import clear_leftovers
-        from ..ops import announce_builds, restore_import_environment
-        from ..runtime import accelerator_available, cpu_ranks
+        from .cuda_arch import prepare_for_deepspeed
+        from .leftovers import clear_leftovers
+        from .ops import announce_builds, restore_import_environment
+        from ...environment.launcher import accelerator_available, cpu_ranks
 
         if "DS_ACCELERATOR" not in os.environ and not accelerator_available():
             os.environ["DS_ACCELERATOR"] = "cpu"
@@ -79,7 +84,7 @@ class DeepSpeedBackend(Backend):
         clear_leftovers()
         if not cpu_ranks(args):
             prepare_for_deepspeed()
-        resolution = getattr(args, "deepspeed_resolution", None) or resolve_stock_arguments(args)
+        resolution = args.deepspeed_resolution  # prepare_process resolved stock TrainingArguments first
         announce_builds(resolution.config)  # DeepSpeed compiles in silence: minutes that look like a hang
         if zero_stage(resolution) == 3:
             args.device  # noqa: B018 (transformers' property sets up the process group)
@@ -130,15 +135,10 @@ class DeepSpeedBackend(Backend):
 
     def __init__(self, args=None):
         super().__init__(args)
-        self.resolution = getattr(args, "deepspeed_resolution", None)  # phase 1, from ExtTrainingArguments
+        self.resolution = getattr(args, "deepspeed_resolution", None)  # phase 1 (prepare_process's on stock arguments)
         self.overflow_check = None  # how a ZeRO step detects a non-finite gradient, once the engine exists
         self._evaluation_engine = None  # ZeRO-3 before training: see evaluating
         self._load_universal = False  # resuming a checkpoint saved on another world size (see before_train)
-
-    def check(self, args) -> None:
-        super().check(args)
-        if self.resolution is None:
-            self.resolution = resolve_stock_arguments(args)
 
     def callbacks(self, trainer) -> list:
         return [skipped_steps_callback(trainer)]
@@ -191,7 +191,7 @@ class DeepSpeedBackend(Backend):
         self.resolution.notes.append(f"resuming a {saved}-rank ZeRO checkpoint on {world_size} ranks (universal)")
         return True
 
-    def on_train_begin(self, trainer) -> None:
+    def on_train_begin(self, trainer, checkpoint) -> None:
         from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupLR
 
         engine = trainer.model_wrapped
@@ -259,55 +259,40 @@ class DeepSpeedBackend(Backend):
         finally:
             internals.set_deepspeed_enabled(trainer, True)
 
-    def optimizer_hyperparameters(self, trainer) -> list[dict] | None:
-        """The optimizer section of the config that ran (the flags, translated): every group's."""
-        config = self.resolution.config if self.resolution is not None else {}
-        params = dict(config.get("optimizer", {}).get("params", {}))
-        engine = getattr(trainer.model_wrapped, "optimizer", None)
-        if not params or engine is None:
-            return None
-        return [{key: params[key] for key in ("lr", "betas", "eps", "weight_decay") if key in params}
-                for _ in engine.param_groups]
-
     def learning_rate_in_use(self, trainer) -> float | None:
         # accelerate runs engine.step() (optimizer and scheduler) inside backward, before transformers reads
         # the rate "before the update"; the engine's rate before the training step is the one used.
         engine = trainer.model_wrapped
         return engine.get_lr()[0] if hasattr(engine, "get_lr") else None
 
-    def describe(self) -> str:
-        stage = self.resolution.config["zero_optimization"].get("stage") if self.resolution else "?"
-        return f"deepspeed ZeRO-{stage}"
-
-    def settings_lines(self) -> list[str]:
+    def settings(self) -> ResolvedSettings:
         if self.resolution is None:
-            return []
+            return ResolvedSettings("deepspeed ZeRO-?")
         config = self.resolution.config  # the parts of the translated config that decide memory and speed
         lines = [f"zero_optimization {json.dumps(config.get('zero_optimization', {}))}"]
         lines += [f"{section} {config[section]['type']} {json.dumps(config[section].get('params', {}))}"
                   for section in ("optimizer", "scheduler") if section in config]
         lines += [f"note: {note}" for note in self.resolution.notes]
-        return lines + ([f"overflow check: {self.overflow_check}"] if self.overflow_check else [])
+        lines += [f"overflow check: {self.overflow_check}"] if self.overflow_check else []
+        # The optimizer section of the config that ran (the flags, translated) is what a resume puts back.
+        params = dict(config.get("optimizer", {}).get("params", {}))
+        optimizer = {key: params[key] for key in ("lr", "betas", "eps", "weight_decay") if key in params} or None
+        return ResolvedSettings(f"deepspeed ZeRO-{config['zero_optimization'].get('stage')}", tuple(lines),
+                                {"ds_config.resolved.json": config}, optimizer)
 
-    def save_settings(self, output_dir) -> None:
-        if self.resolution is not None:
-            path = Path(output_dir) / "ds_config.resolved.json"
-            path.write_text(json.dumps(self.resolution.config, indent=2) + "\n")
-
-    def model_fingerprint(self, module) -> dict:
+    @classmethod
+    def fingerprint(cls, module) -> dict:
         # Under ZeRO-3 a parameter's numel is its gathered size only while gathered; ds_numel is always the whole.
-        fingerprint = super().model_fingerprint(module)
+        fingerprint = super().fingerprint(module)
         fingerprint["num_parameters"] = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
         return fingerprint
 
-    def drop_references(self, trainer) -> None:
+    def teardown(self, trainer):
+        from .leftovers import remove_own_shm_buffer
+
         self.release_evaluation_engine()
         internals.set_deepspeed_engine(trainer, None)  # transformers' own reference to the training engine
-
-    def teardown(self) -> None:
-        from ..leftovers import remove_own_shm_buffer
-
-        remove_own_shm_buffer()  # DeepSpeed's CPU all-reduce never unlinks its /dev/shm buffer
+        return remove_own_shm_buffer  # DeepSpeed's CPU all-reduce never unlinks its /dev/shm buffer
 
 
 @functools.cache
@@ -415,22 +400,25 @@ def zero_stage(resolution) -> int:
     return int(config.get("zero_optimization", {}).get("stage", 0))
 
 
-def resolve_stock_arguments(args):
-    """Phase 1 for stock TrainingArguments (ExtTrainingArguments ran it when parsed); transformers' config and
-    accelerate's plugin are rebuilt from its result exactly as transformers rebuilds them itself
-    (Trainer._hp_search_setup)."""
+def stock_arguments(args) -> dict:
+    """Phase 1 for stock TrainingArguments (ExtTrainingArguments ran it when parsed), as the fields to set:
+    transformers' config and accelerate's plugin rebuilt from its result exactly as transformers rebuilds them itself
+    (Trainer._hp_search_setup), from a copy of the arguments that holds the resolved flags."""
+    import copy
+
     from accelerate.utils import DeepSpeedPlugin
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-    from ..runtime import cpu_ranks
+    from ...environment.launcher import cpu_ranks
 
     resolution = resolve_checked(args, args.deepspeed, this_machine=True, world_size=args.world_size, final=False,
                                  cpu_ranks=cpu_ranks(args))
-    apply_resolution(args, resolution)
-    args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(args.deepspeed)
-    args.hf_deepspeed_config.trainer_config_process(args)
-    args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
-    return resolution
+    values = resolution_fields(resolution)
+    resolved = copy.copy(args)
+    resolved.__dict__.update(values)  # a copy: what transformers' config reads of the arguments, once resolved
+    hf_config = HfTrainerDeepSpeedConfig(values["deepspeed"])
+    hf_config.trainer_config_process(resolved)
+    return {**values, "hf_deepspeed_config": hf_config, "deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=hf_config)}
 
 
 def resolve_checked(args, config=None, this_machine: bool = False, **kwargs):
@@ -440,9 +428,9 @@ def resolve_checked(args, config=None, this_machine: bool = False, **kwargs):
     sections passed through (monitors, comms_logger, compile, ...) and rules across fields. `this_machine`: the run
     trains here, so what the file needs of this machine is checked too (ZeRO-3's NVMe folder); ds-config renders for
     other machines and does not."""
-    from ..deepspeed_config import DeepSpeedConfigError, load_deepspeed_config
-    from ..deepspeed_config.fields import numbers_from_strings
-    from ..deepspeed_config.keys import FIELD_TYPES, KNOWN_TOP_LEVEL_KEYS
+    from ...deepspeed_config import DeepSpeedConfigError, load_deepspeed_config
+    from ...deepspeed_config.fields import numbers_from_strings
+    from ...deepspeed_config.keys import FIELD_TYPES, KNOWN_TOP_LEVEL_KEYS
 
     config = (args.get("deepspeed") if isinstance(args, dict) else getattr(args, "deepspeed", None)) \
         if config is None else config
@@ -473,8 +461,8 @@ def nvme_problems(config: dict) -> list[str]:
     import os
     import socket
 
-    from ..deepspeed_config.passes import nvme_offloads
-    from ..ops import op_buildable
+    from ...deepspeed_config.passes import nvme_offloads
+    from .ops import op_buildable
 
     offloads = [(field, path) for field, path in nvme_offloads(config) if isinstance(path, str) and path]
     problems = []
@@ -503,15 +491,15 @@ def deepspeed_refusals(config: dict) -> list[str]:
     (_initialize_params, its pydantic models among it), so one section's problem does not hide another's."""
     import importlib.util
 
-    from ..ops import deepspeed_imported
+    from .ops import deepspeed_imported
 
     if importlib.util.find_spec("deepspeed") is None:
         return []
     with deepspeed_imported():
         import deepspeed.runtime.config  # noqa: F401 (imported quietly here; internals.deepspeed_config_reader reads it)
         from pydantic import ValidationError
-    from ..deepspeed_config.fields import read_field, requirement
-    from ..deepspeed_config.keys import TOP_LEVEL_TYPES
+    from ...deepspeed_config.fields import read_field, requirement
+    from ...deepspeed_config.keys import TOP_LEVEL_TYPES
 
     problems = []
     for section, value in config.items():
@@ -545,20 +533,17 @@ def join_deepspeed_group() -> None:
     deepspeed.init_distributed()
 
 
-def apply_resolution(args, resolution) -> None:
-    """The one place the translation reaches the arguments: the flags the file decided (so the sampler, the logs and
-    transformers use the same batch and rates), the complete config as `deepspeed`, the resolution for phase 2. A file
-    that enables fp16 needs CUDA as --fp16 does."""
+def resolution_fields(resolution) -> dict:
+    """What the translation sets on the arguments (config.settings writes it): the flags the file decided (so the
+    sampler, the logs and transformers use the same batch and rates), the complete config as `deepspeed`, the
+    resolution for phase 2. A file that enables fp16 needs CUDA as --fp16 does."""
     import torch
 
-    from ..runtime import check_fp16_device
+    from ...environment.launcher import check_fp16_device
 
-    for flag, value in resolution.effective_flags.items():
-        setattr(args, flag, value)
-    args.deepspeed = resolution.config
-    args.deepspeed_resolution = resolution
     check_fp16_device(resolution.config.get("fp16", {}).get("enabled") is True, torch.cuda.is_available(),
                       "fp16" in resolution.effective_flags)
+    return {**resolution.effective_flags, "deepspeed": resolution.config, "deepspeed_resolution": resolution}
 
 
 def check_overflow_by_norm(optimizer) -> str:

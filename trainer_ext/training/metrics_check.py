@@ -8,8 +8,8 @@ import inspect
 import numbers
 from pathlib import Path
 
-from .errors import UserError
-from .integrations import internals
+from ..errors import UserError
+from ..integrations import internals
 
 
 class MetricsError(UserError):

@@ -8,7 +8,7 @@ import inspect
 
 import torch
 
-from .integrations import internals
+from ..integrations import internals
 
 IGNORE_INDEX = -100
 

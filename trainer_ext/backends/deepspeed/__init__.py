@@ -1,0 +1,1 @@
+"""The DeepSpeed backend: the runtime glue around the pure translator in trainer_ext.deepspeed_config (backend), its JIT-built ops (ops), the CUDA architecture list its op builder reads (cuda_arch), and what a killed DeepSpeed job leaves behind (leftovers)."""

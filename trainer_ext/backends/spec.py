@@ -1,0 +1,132 @@
+"""A backend's pure half (the shape of a Lightning `Strategy`'s class attributes and the planner's formulas): read by
+the arguments, experiment files, the planner and the checkpoint code before any trainer exists, with no torch and no
+backend library imported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+class BackendSpec:
+    """What is known of a backend before anything runs: its flags and their problems, the values it settles from
+    them, the planner's memory formulas and the files it keeps in a checkpoint. Class level and pure: the argument
+    parser, experiment files, `trainer-ext plan` and the checkpoint code read it with no trainer, process group or
+    library. The runtime (base.py's Backend) extends it."""
+
+    name = "ddp"
+    flag: str | None = None  # the argument that selects this backend (None: the default when none is selected)
+    owned_flags: tuple[str, ...] = ()  # every argument this backend reads (the selecting one first)
+    library: str | None = None  # the module this backend needs installed, and how to install it
+    install = ""
+    # Parameter sharding: the model is wrapped before the optimizer, which is built on the shards.
+    wraps_before_optimizer = False
+    # Its engine needs a process group even on one process (prepare_process forms a 1-rank one without a launcher).
+    needs_process_group = False
+    # Glob patterns of the files or folders holding this backend's own training state in a checkpoint folder (what a
+    # checkpoint without Hugging Face weight files must have to be resumable).
+    checkpoint_state: tuple[str, ...] = ()
+    # Glob patterns of what a resume of this backend reads of a checkpoint besides the weights: its optimizer state
+    # (transformers' optimizer.pt by default). Backends with the same patterns read each other's checkpoints.
+    optimizer_state: tuple[str, ...] = ("optimizer.pt",)
+    # Whether it can continue a checkpoint's weights and step with a new optimizer state (--resume_weights_only).
+    resumes_weights_only = True
+
+    # -- the arguments (before any trainer exists) -----------------------------------------------------------------
+    @classmethod
+    def missing_library(cls, args) -> str | None:
+        """One line when this backend's library is not installed (before transformers or accelerate import it)."""
+        import importlib.util
+
+        if cls.library and importlib.util.find_spec(cls.library) is None:
+            return f"{cls.given_as(args)} needs {cls.library}, which is not installed: {cls.install}"
+        return None
+
+    @classmethod
+    def selected(cls, args) -> bool:
+        return bool(cls.flag and getattr(args, cls.flag, None))
+
+    @classmethod
+    def given_as(cls, args) -> str:
+        """The selecting flag as the user typed it, for messages."""
+        return f"--{cls.flag}"
+
+    @classmethod
+    def owned_flag_problems(cls, args) -> list[str]:
+        """Problems with the flags this backend owns that no machine could fix, one line each; reads `args` only.
+        The flag checks (config.checks.flag_problems) collect every backend's before raising once."""
+        return []
+
+    @classmethod
+    def prepare_arguments(cls, args) -> dict:
+        """Once the flags are valid and this backend is selected, before transformers sets up the device: checks
+        that depend on this machine, and what the backend settles from its flags (their values as it reads them and
+        its resolved settings), as the fields to set (config.settings writes them). Values only: no variable, file or
+        process group (that is prepare_process)."""
+        return {}
+
+    @classmethod
+    def arguments_ready(cls, args) -> dict:
+        """The last step of ExtTrainingArguments, once transformers set the arguments up: the fields transformers must
+        not act on; DeepSpeed under ZeRO-3 also joins a group transformers formed, as on GPUs."""
+        return {}
+
+    @classmethod
+    def arguments_for_training(cls, args) -> dict:
+        """When a process is prepared for training: what parsing settled, for arguments that were not parsed by
+        ExtTrainingArguments (stock TrainingArguments), and what only the process knows; {} once set."""
+        return {}
+
+    @classmethod
+    def places_model_on_device(cls, args) -> bool | None:
+        """transformers' `place_model_on_device` hook: False when the backend must receive the model where it was
+        built; None lets transformers decide."""
+        return None
+
+    @classmethod
+    def memory_formulas(cls, mixed: bool) -> list:
+        """The planner's rows (BackendFormula, below) for the settings this backend runs."""
+        return []
+
+    @classmethod
+    def fingerprint(cls, module) -> dict:
+        """What a checkpoint records about the (unwrapped) model and a resume must match; a backend whose wrapping or
+        partitioning changes what the model reports corrects it."""
+        config = getattr(module, "config", None)
+        return {
+            "model_class": type(module).__name__,
+            "model_type": getattr(config, "model_type", None),
+            "num_parameters": sum(p.numel() for p in module.parameters()),
+        }
+
+
+@dataclass(frozen=True)
+class BackendFormula:
+    """Bytes per trained parameter held on one rank: each term is (bytes, divided by N?)."""
+    name: str
+    flag: str  # how to select it with trainer_ext
+    params: tuple[float, bool]
+    grads: tuple[float, bool]
+    optimizer: tuple[float, bool]
+    communication: float  # volume per step relative to DDP's all-reduce (ZeRO paper, section 7)
+    host_optimizer: bool = False  # optimizer state and gradient partition live in CPU memory
+    host_params: bool = False  # the parameter partitions live in CPU memory too (ZeRO-3 offload)
+    cuda_only: bool = False
+    note: str = ""
+    preference: int = 0  # the planner recommends the lowest that fits
+    # (trained Ψ, N, all parameters) -> bytes held beyond the terms, e.g. {"grads": ...}
+    extra: Callable[[int, int, int], dict] | None = None
+    frozen_sharded: bool = False  # frozen parameters (a LoRA's base, in the compute dtype) divided by N too
+    # (hidden size) -> parameters with fewer elements stay whole on every rank besides their partition
+    whole_below: Callable[[int], float] | None = None
+    # What changes the activations: mixed precision by torch autocast over fp32 weights; every Linear keeping its
+    # input for backward, frozen or not
+    autocast: bool = False
+    linears_keep_inputs: bool = False
+
+    def bytes(self, num_parameters: int, world_size: int) -> dict[str, float]:
+        def term(spec):
+            per_param, sharded = spec
+            return num_parameters * per_param / (world_size if sharded else 1)
+
+        return {"params": term(self.params), "grads": term(self.grads), "optimizer": term(self.optimizer)}

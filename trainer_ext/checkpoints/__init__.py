@@ -1,0 +1,1 @@
+"""Checkpoints: what a checkpoint folder is (format), which one a run resumes and how each is published (policy), the remote copy (remote), the output folder's lock (output_lock), and the checkpoint a signal asks for (preemption)."""
