@@ -22,7 +22,7 @@ SAGEMAKER = ["sagemaker-training>=5.1.4", "sagemaker-pytorch-training>=3.0.0"]
 SEARCH_POSTGRES = [*SEARCH, "psycopg[binary]>=3.1"]
 # The tests start a real S3-compatible server (moto's server mode) and a PostgreSQL server (Debian's, not pip's) on
 # 127.0.0.1.
-# tests/integration/test_benchmarks.py renders the benchmark report and figure.
+# tests/unit/test_benchmarks.py renders the benchmark report and figure.
 TEST_CORE = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH_POSTGRES, *SAGEMAKER, "moto[server]>=5",
              "boto3", "tensorboard", "pytest>=7", "pytest-xdist>=3.8"]
 # trl needs datasets>=4.7 and accelerate>=1.10.1, above the floors `make test-oldest` pins: that job installs

@@ -191,7 +191,8 @@ def search(argv: list[str]) -> int:
 def search_flags_misspelled(parser, flags: list[str]) -> tuple[list[str], list[str]]:
     """(the flags for the trials, one problem per flag that is no task's but a near miss of the search's own): the
     trials' parser suggested the closest task flag, --max_trial -> --max_train_samples."""
-    from .config.experiment_file import TASKS, argument_classes
+    from .config.experiment_file import argument_classes
+    from .tasks import TASKS
     from .config.flags import ExtArgumentParser
     from .errors import closest
 

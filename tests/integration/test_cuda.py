@@ -65,10 +65,13 @@ def test_every_sharded_ddp_mode_trains_like_plain(plain, tmp_path, options, prec
 
 @requires_cuda
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused", "adafactor"])
-def test_fsdp_fp16_steps_with_the_optimizers_offered(tmp_path, optim):
-    """--optim choices under FairScale's ShardedGradScaler: fused AdamW is swapped for foreach, the others run as is."""
-    train("torchrun", tmp_path, "--fp16", "--sharded_ddp", "zero_dp_2", "--optim", optim)
-    assert all(math.isfinite(loss) for loss in logged(tmp_path).values())
+def test_fsdp_fp16_steps_with_the_optimizers_offered(plain, tmp_path, optim):
+    """--optim choices under FairScale's ShardedGradScaler: fused AdamW is swapped for foreach, the others run as is,
+    and each trains like plain ExtTrainer with the same optimizer."""
+    train("torchrun", tmp_path / "fsdp", "--fp16", "--sharded_ddp", "zero_dp_2", "--optim", optim)
+    reference = tmp_path / "plain"
+    train("torchrun", reference, "--fp16", "--optim", optim)
+    assert_trains_like(reference, tmp_path / "fsdp", "fp16", "half weights")
 
 
 FSDP2 = ["--fsdp", "full_shard auto_wrap", "--fsdp_config",
@@ -156,10 +159,12 @@ def test_the_deepspeed_runs_of_these_tests_resolve_on_any_machine(tmp_path, name
 @requires_cuda
 @pytest.mark.parametrize("name", ["zero2_offload bf16", "classic fp16"])
 def test_offload_and_the_classic_published_config_train(tmp_path, name):
-    """ZeRO-2 with the optimizer on the CPU, and the classic fp16 + cpu_offload file pasted verbatim."""
+    """ZeRO-2 with the optimizer on the CPU, and the classic fp16 + cpu_offload file pasted verbatim, train like plain
+    ExtTrainer with the same flags."""
     config, precision, flags = DEEPSPEED_RUNS[name]
-    train("deepspeed", tmp_path, f"--{precision}", "--deepspeed", config, *flags)
-    assert all(math.isfinite(loss) for loss in logged(tmp_path).values())
+    train("deepspeed", tmp_path / "zero", f"--{precision}", "--deepspeed", config, *flags)
+    train("torchrun", tmp_path / "plain", f"--{precision}", *flags)
+    assert_trains_like(tmp_path / "plain", tmp_path / "zero", precision, "half weights")
 
 
 @requires_cuda

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, REPO, clean_env, run
+from conftest import BIN, REPO, run, signal_at_step
 from trainer_ext.checkpoints.format import newest_valid_checkpoint
 from trainer_ext.config.experiment_file import argument_classes, flag_types
 from trainer_ext.search import PRUNED_ATTR
 from trainer_ext.search.space import read_search
+from trainer_ext.search.study import retried_from
 
 optuna = pytest.importorskip("optuna")  # trainer_ext[search], in the test extra
 TRAINER_EXT = BIN / "trainer-ext"
@@ -104,44 +105,49 @@ def test_six_trial_search_prunes_keeps_the_best_and_never_runs_a_trial_twice(tmp
 @pytest.mark.deepspeed
 @pytest.mark.model_package
 def test_a_killed_two_rank_search_continues_its_interrupted_trial_from_its_checkpoint(tmp_path):
-    """--launcher deepspeed --num_gpus 2, then SIGKILL to the search's process group mid-trial: both ranks still
-    checkpoint and stop (the trial's guard gets SIGTERM; deepspeed's runner passes nothing on); the same command
-    continues that trial with its values and its ZeRO stage from its checkpoint, and adds no trial."""
-    path = tiny_search(tmp_path, {"max_trials": 1, "metric": "loss", "space": {
-        "deepspeed.zero_optimization.stage": [1, 2], "learning_rate": LEARNING_RATE}},
-        backend={"deepspeed": "zero2_minimal"}, max_steps=10, per_device_train_batch_size=2)
+    """--launcher deepspeed --num_gpus 2, then SIGKILL to the search's process group at the end of step 4 (rank 0 sends
+    it, tests/scripts/signal_at_step): both ranks still checkpoint step 4 and stop (the trial's guard gets SIGTERM;
+    deepspeed's runner passes nothing on); the same command waits for Optuna to find the trial's heartbeat stale, then
+    continues its retry with its values and its ZeRO stage from checkpoint-4, in its folder, and adds no other trial."""
+    path = tiny_search(tmp_path, {"max_trials": 1, "metric": "loss", "heartbeat_interval": 1, "grace_period": 3,
+                                  "space": {"deepspeed.zero_optimization.stage": [1, 2],
+                                            "learning_rate": LEARNING_RATE}},
+                       backend={"deepspeed": "zero2_minimal"}, max_steps=10, per_device_train_batch_size=2)
     command = [str(TRAINER_EXT), "search", str(path), "--launcher", "deepspeed", "--num_gpus", "2"]
+    env = signal_at_step(4, 0, "SIGKILL")
+    env["TRAINER_EXT_TEST_SIGNAL"] += ":outer"  # to the search's process group, which started the trial's session
     with open(tmp_path / "first.log", "w") as log:
-        search = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                  env={**clean_env(), **ENV}, start_new_session=True)
+        search = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**env, **ENV},
+                                  start_new_session=True)
+    assert search.wait(timeout=600) == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-3000:]
     trial_dir = tmp_path / "out" / "search" / "trial-0"
-    deadline = time.time() + 600
-    while not list(trial_dir.glob("checkpoint-*")):
-        assert search.poll() is None and time.time() < deadline, (tmp_path / "first.log").read_text()[-3000:]
-        time.sleep(0.1)
-    os.killpg(search.pid, signal.SIGKILL)
-    search.wait()
+    deadline = time.time() + 300
     while "preempted: checkpoint" not in (trial_dir / "trial.log").read_text():
         assert time.time() < deadline, (trial_dir / "trial.log").read_text()[-3000:]
         time.sleep(0.2)
     found, folder = study(tmp_path)
     values = found.trials[0].params
-    assert found.trials[0].state == optuna.trial.TrialState.RUNNING
-    saved = newest_valid_checkpoint(trial_dir)
-    assert 2 <= int(saved.name.split("-")[1]) < 10, "the kill must land mid-trial for this test to mean anything"
+    assert len(found.trials) == 1 and found.trials[0].state == optuna.trial.TrialState.RUNNING
+    assert newest_valid_checkpoint(trial_dir) == trial_dir / "checkpoint-4"  # rank 0 waits for its SIGTERM
 
     again = run(command, env=ENV, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "trial 0 continues" in again.stdout
+    assert "trial 1 (retry of trial 0): taken over from" in again.stdout  # once Optuna found its heartbeat stale
+    assert "no heartbeat from its worker for 3 s: Optuna failed it as stale" in again.stdout
+    assert "trial 1 (retry of trial 0) continues" in again.stdout
+    assert f"continues from {trial_dir / 'checkpoint-4'}" in again.stdout
     found, _ = study(tmp_path)
-    assert len(found.trials) == 1 and found.trials[0].state == optuna.trial.TrialState.COMPLETE
+    failed, retry = found.trials
+    assert failed.state == optuna.trial.TrialState.FAIL and retry.state == optuna.trial.TrialState.COMPLETE
+    assert retried_from(retry) == 0
     assert found.direction == optuna.study.StudyDirection.MINIMIZE
-    assert found.trials[0].params == values and found.trials[0].user_attrs["runs"] == 2
+    assert retry.params == values and retry.user_attrs["runs"] == 2 and retry.user_attrs["steps"] == 10
     log = (trial_dir / "trial.log").read_text()
-    assert runs_in(trial_dir / "trial.log") == 2 and f"resuming from {saved}" in log
+    assert runs_in(trial_dir / "trial.log") == 2 and f"resuming from {trial_dir / 'checkpoint-4'}" in log
     assert json.loads((trial_dir / "trainer_state.json").read_text())["global_step"] == 10
     stage = json.loads((trial_dir / "ds_config.resolved.json").read_text())["zero_optimization"]["stage"]
     assert stage == values["deepspeed.zero_optimization.stage"] and f"ZeRO-{stage} on 2 rank(s)" in log
+    assert not (folder / "trial-1").exists()
 
 
 @pytest.mark.launch

@@ -1,7 +1,8 @@
 """`trainer-ext search` on several machines: workers (each its own study folder, some under another host name, as on
 another machine) share one Optuna study on a real PostgreSQL server started for the tests; a worker killed like a
-machine that dies has its trial taken over by another from the remote checkpoint copy (moto's S3 server), the dead
-worker rejoins, and the study ends with exactly max_trials trials, none run twice, the remote copies cleaned up."""
+machine that dies has its trial failed as stale by Optuna's heartbeat and its retry continued by another from the
+remote checkpoint copy (moto's S3 server), the dead worker rejoins, and the study ends with exactly max_trials trials
+and that one retry, none run twice, the remote copies cleaned up."""
 
 import json
 import os
@@ -19,6 +20,7 @@ from test_remote_checkpoints import CREDENTIALS, remote_names, s3_server  # noqa
 from test_search import ENV, TINY, TRAINER_EXT, runs_in, tiny_search
 from trainer_ext.checkpoints.format import newest_valid_checkpoint, publish
 from trainer_ext.search.copies import fetch_checkpoint
+from trainer_ext.search.study import retried_from
 
 optuna = pytest.importorskip("optuna")
 # Debian's packages install the server beside its version; elsewhere initdb is on PATH.
@@ -115,9 +117,10 @@ def trials_of(url: str) -> list:
 @pytest.mark.model_package
 def test_two_machines_share_a_study_and_one_continues_the_trial_of_the_other_that_died(postgres, s3_server, tmp_path):
     """Worker A (host machine-a) and B share a 6-trial study on PostgreSQL, checkpoints copied to S3. A dies like a
-    machine mid-trial; B notices A's heartbeat stopped and continues A's trial from the remote checkpoint (its steps not
-    re-run, its result equal to a trial with the same values run whole); A rejoins as a new worker. The study ends
-    with 6 trials, none run twice; each worker's report names the host of each run and the takeover; best/ is a real
+    machine mid-trial; Optuna's stale check on B fails A's trial once its heartbeat is 4 s old and queues a retry,
+    which B continues from the remote checkpoint in the trial's folder (its steps not re-run, its result equal to a
+    trial with the same values run whole); A rejoins as a new worker. The study ends with 6 trials and the retry of
+    the dead one, none run twice; each worker's report names the host of each run and the takeover; best/ is a real
     folder on the worker that did not run the best trial; only the best trial's remote copy is left."""
     endpoint, client = s3_server
     url = new_database(postgres, "two_machines")
@@ -140,54 +143,59 @@ def test_two_machines_share_a_study_and_one_continues_the_trial_of_the_other_tha
     assert "checkpoint-6/checkpoint_complete.json" not in remote and trials_of(url)[killed].state.name == "RUNNING", \
         "the kill must land mid-trial"
 
-    wait_for(lambda: trials_of(url)[killed].user_attrs["owner"]["host"] != "machine-a", "B taking the trial over",
-             logs)
+    wait_for(lambda: any(retried_from(trial) == killed and trial.state.name == "RUNNING" for trial in trials_of(url)),
+             "B continuing the trial's retry", logs)
     a = worker(path, tmp_path / "a", again, env, host="machine-a")
     assert b.wait(timeout=600) == 0 and a.wait(timeout=600) == 0, "\n".join(log.read_text()[-3000:] for log in logs)
 
     study = optuna.load_study(study_name="search", storage=url)
     trials = study.get_trials()
-    assert [trial.number for trial in trials] == list(range(6))
-    assert {trial.state.name for trial in trials} == {"COMPLETE"}
+    retry = next(trial.number for trial in trials if retried_from(trial) == killed)
+    assert [trial.number for trial in trials] == list(range(7)) and [retried_from(t) for t in trials].count(None) == 6
+    assert [trial.state.name for trial in trials].count("COMPLETE") == 6 and trials[killed].state.name == "FAIL"
     ran = {trial.number: [run[0] for run in trial.user_attrs["history"]] for trial in trials}
-    assert ran.pop(killed) == ["machine-a", host] and trials[killed].user_attrs["takeovers"] == 1
+    assert ran.pop(killed) == ["machine-a"] and ran.pop(retry) == ["machine-a", host]
+    assert trials[retry].user_attrs["takeovers"] == 1 and trials[retry].user_attrs["runs"] == 2
     assert all(len(hosts) == 1 for hosts in ran.values()), ran  # none run twice
-    ran[killed] = ["machine-a", host]
-    for trial in trials:  # each run's log on the machine that ran it
-        logged = [runs_in(log) if (log := folder / f"trial-{trial.number}" / "trial.log").is_file() else 0
+    ran[killed] = ran[retry] = ["machine-a", host]
+    for trial in trials:  # each run's log on the machine that ran it, in the original trial's folder
+        number = killed if trial.number == retry else trial.number
+        logged = [runs_in(log) if (log := folder / f"trial-{number}" / "trial.log").is_file() else 0
                   for folder in (tmp_path / "a", tmp_path / "b")]
         assert logged == [ran[trial.number].count("machine-a"), ran[trial.number].count(host)], trial.number
     rejoined = again.read_text()
-    assert any(ran[number] == ["machine-a"] and f"trial {number} starts" in rejoined for number in ran), \
+    assert any(ran[number] == ["machine-a"] and f"trial {number} starts" in rejoined for number in ran
+               if number != killed), \
         rejoined[-3000:]  # the dead worker came back as a new worker and ran a trial
 
     # Continued from the remote copy: the steps before it were not trained again, the result is a whole run's.
     said = second.read_text()
-    assert f"trial {killed}: taken over from machine-a:" in said and "no heartbeat from its worker" in said, said
+    assert f"trial {retry} (retry of trial {killed}): taken over from machine-a:" in said, said
+    assert "no heartbeat from its worker for 4 s: Optuna failed it as stale" in said
     step = int(said.split(f"continues from s3://checkpoints/study/trial-{killed}/checkpoint-")[1].split(" ")[0])
     assert 2 <= step < 6
     log = (tmp_path / "b" / f"trial-{killed}" / "trial.log").read_text()
     assert f"resuming from {tmp_path / 'b' / f'trial-{killed}' / f'checkpoint-{step}'}" in log
     assert "'loss'" in log and f"'step': {step}," not in log.split("resuming from")[1]
-    twins = [trial for trial in trials if trial.params == trials[killed].params and trial.number != killed]
-    assert twins and all(abs(trial.value - trials[killed].value) < 1e-5 for trial in twins)
+    twins = [trial for trial in trials if trial.params == trials[killed].params and trial.number not in (killed, retry)]
+    assert twins and all(abs(trial.value - trials[retry].value) < 1e-5 for trial in twins)
 
     # Reports: hosts per trial, the takeover; best/ on both workers; remote copies of the non-best trials removed.
     best = study.best_trial
     for folder, name in ((tmp_path / "a", "machine-a"), (tmp_path / "b", host)):
         table = (folder / "search_results.md").read_text()
         assert "| hosts" in table and "| takeovers" in table and f"machine-a, {host}" in table, table
-        assert f"taken over from a gone worker: trial {killed}" in table
+        assert f"taken over from a gone worker: trial {retry}" in table and "FAIL (retried)" in table
         assert (folder / "workers.png").stat().st_size > 1000
         assert (folder / "best" / "model.safetensors").is_file(), table
         if ran[best.number][-1] == name:
-            assert (folder / "best").resolve() == folder / f"trial-{best.number}"
+            assert (folder / "best").resolve() == folder / f"trial-{killed if best.number == retry else best.number}"
         else:
             assert not (folder / "best").is_symlink()
             assert json.loads((folder / "best" / "search_trial.json").read_text())["trial"] == best.number
             assert f"(copied from s3://checkpoints/study/trial-{best.number}/model)" in table
     left = {name.split("/")[0] for name in remote_names(client, "study/")}
-    assert left == {f"trial-{best.number}"}
+    assert left == {f"trial-{killed if best.number == retry else best.number}"}
 
 
 def published(folder: Path, step: int) -> Path:
@@ -219,29 +227,41 @@ def test_a_trial_taken_over_on_the_same_machine_continues_from_the_other_workers
         "--checkpoint_uri to continue from a remote copy)")
 
 
-def test_a_trials_worker_is_gone_when_its_process_or_its_heartbeat_says_so():
-    """On this machine a worker is gone when its process is; elsewhere when the trial's heartbeat stands still for the
-    grace period (a moving one resets it); a worker that stopped cleanly, or none recorded, hands on at once."""
-    from types import SimpleNamespace
+def test_optunas_heartbeat_on_sqlite_fails_a_silent_trial_and_queues_its_retry_in_the_same_folder(tmp_path):
+    """Liveness is Optuna's, on SQLite too (the default storage): a trial whose heartbeat stopped (its worker killed,
+    or only stopped) is FAIL after the grace period and queued again with its values and attributes; the retry keeps
+    the original's folder number; a worker stopping cleanly hands its trial on at once, without waiting."""
+    import warnings
 
-    from trainer_ext.environment.processes import this_process
-    from trainer_ext.search.workers import STOPPED, Watch, this_worker
+    from trainer_ext.integrations import internals
+    from trainer_ext.search.study import fail_stale_trials, folder_number, hand_on, retried, storage
 
-    me = this_worker(Path("/study"))
-    watch, later = Watch(me, grace_period=3600), Watch(me, grace_period=0)
+    url = f"sqlite:///{tmp_path}/study.db"
+    database = storage(url, heartbeat_interval=1, grace_period=2)
+    study = optuna.create_study(storage=database, study_name="s")
+    space = {"x": optuna.distributions.FloatDistribution(0, 1)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = study.ask(space)
+    first.set_user_attr("trial_dir", "/a/trial-0")
+    beat = internals.optuna_heartbeat_thread(internals.optuna_trial_id(first), database)
+    beat.start()
+    time.sleep(3)  # beating: not stale after the grace period
+    fail_stale_trials(study)
+    assert study.trials[0].state.name == "RUNNING"
+    beat.join()  # the worker is gone: no more heartbeats
+    time.sleep(3.5)  # SQLite's clock has whole seconds
+    fail_stale_trials(study)
+    fail_stale_trials(optuna.load_study(study_name="s", storage=storage(url, 1, 2)))  # another worker: no 2nd retry
+    failed, retry = study.trials
+    assert failed.state.name == "FAIL" and retry.state.name == "WAITING" and retried_from(retry) == 0
+    assert retry.params == failed.params and retry.user_attrs["trial_dir"] == "/a/trial-0"
+    assert folder_number(retry) == 0 and folder_number(failed) == 0 and retried(study.trials) == {0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        continued = study.ask(space)  # a worker's next ask continues the retry
+    assert continued.number == 1 and continued.params == failed.params
 
-    def trial(owner, heartbeat=1, number=7):
-        return SimpleNamespace(_trial_id=number, user_attrs={"owner": owner, "heartbeat": heartbeat})
-
-    parent = {**this_process(os.getppid()), "study_dir": "/other"}  # a live worker on this machine
-    assert watch.gone(trial(me)) is None and watch.gone(trial(parent)) is None
-    dead = {**parent, "started": parent["started"] - 1}  # that pid, but another process's start time
-    assert watch.gone(trial(dead)) == f"its worker on {me['host']} (pid {dead['pid']}) is gone"
-    assert watch.gone(trial(None)) == "no worker recorded"
-    far = {"host": "machine-b", "pid": 12, "started": 1.0, "study_dir": "/study"}
-    assert watch.gone(trial(far, STOPPED)) == "its worker on machine-b (pid 12) stopped"
-    for each in (watch, later):  # first sight: alive
-        assert each.gone(trial(far, 5)) is None
-    assert watch.gone(trial(far, 5)) is None  # within the grace period
-    assert later.gone(trial(far, 6)) is None  # it moved: seen anew
-    assert later.gone(trial(far, 6)) == "no heartbeat from its worker on machine-b (pid 12) for 0 s"
+    hand_on(study, database, study.trials[1])  # stopped cleanly: no grace period
+    assert [trial.state.name for trial in study.trials] == ["FAIL", "FAIL", "WAITING"]
+    assert retried_from(study.trials[2]) == 0 and folder_number(study.trials[2]) == 0

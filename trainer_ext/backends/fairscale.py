@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from ..config.values import option_words
 from ..errors import ArgumentsError, closest
 from ..integrations import internals
 from .base import Backend, BackendFormula, ResolvedSettings
@@ -146,13 +147,6 @@ class FairScaleBackend(Backend):
                 sharded_optimizer(trainer.optimizer).consolidate_state_dict(recipient_rank=0)
             return None
         return {k: v.cpu() for k, v in trainer.model_wrapped.state_dict().items()}
-
-
-def option_words(value) -> list[str]:
-    """`--sharded_ddp "zero_dp_2 offload"`, a list, or nothing -> its words, unchecked."""
-    if value is None or value is False or value == "":
-        return []
-    return value.split() if isinstance(value, str) else [w for item in value for w in str(item).split()]
 
 
 def parse_options(value) -> list[str]:

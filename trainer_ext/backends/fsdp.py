@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..config.values import option_words
 from ..errors import ArgumentsError, UserError, closest
 from ..integrations import internals
 from .base import Backend, ResolvedSettings
@@ -46,13 +47,6 @@ class FSDPSettings:
 
     def describe(self) -> str:
         return "full_shard" if self.reshard_after_forward else "shard_grad_op"
-
-
-def fsdp_words(value) -> list[str]:
-    """`--fsdp "full_shard auto_wrap"`, a list, or a bare `--fsdp` (True) -> its option words."""
-    if value is None or value is False or value is True:
-        return []
-    return value.split() if isinstance(value, str) else [w for item in value for w in str(item).split()]
 
 
 def read_config(value, problems: list[str]) -> dict:
@@ -94,7 +88,7 @@ def resolve_settings(fsdp, fsdp_config) -> tuple[FSDPSettings, dict, list[str]]:
     """(settings, the config as a dict, problems) for `--fsdp` and `--fsdp_config`; pure. The option words become the
     config keys transformers gives them (full_shard/shard_grad_op: reshard_after_forward, offload: cpu_offload)."""
     problems: list[str] = []
-    words = fsdp_words(fsdp)
+    words = option_words(fsdp)
     for word in words:
         if word in FSDP1_OPTIONS:
             problems.append(f"--fsdp {word}: a sharding strategy of FSDP1 only; this backend runs FSDP2 (torch's "
@@ -174,7 +168,7 @@ class FSDPBackend(Backend):
 
     @classmethod
     def given_as(cls, args) -> str:
-        return " ".join(["--fsdp", *fsdp_words(args.fsdp)])
+        return " ".join(["--fsdp", *option_words(args.fsdp)])
 
     @classmethod
     def owned_flag_problems(cls, args) -> list[str]:

@@ -13,16 +13,9 @@ from typing import Any, Literal, Sequence
 from ..backends import backend_flags, owned_flags
 from ..errors import ArgumentsError
 from .optimizer import OptimizerSettings, SchedulerSettings
+from ..tasks import TASKS, TRAINING_ARGUMENTS
 from .values import WrongType, did_you_mean, field_types, read_as
 
-TASKS = {
-    "classification": "trainer_ext.tasks.classification",
-    "qa": "trainer_ext.tasks.qa",
-    "translation": "trainer_ext.tasks.translation",
-    "causal_lm": "trainer_ext.tasks.causal_lm",
-}
-# Tasks whose recipe needs more than ExtTrainingArguments (generation settings).
-TRAINING_ARGUMENTS = {"translation": ("trainer_ext.seq2seq", "ExtSeq2SeqTrainingArguments")}
 BACKENDS = set(backend_flags())  # a top-level section each: `deepspeed: zero2_minimal`, `sharded_ddp: simple`
 SECTIONS = ("task", "description", "hyperparameters", "data", *sorted(BACKENDS), "search")  # search: trainer-ext search
 MODEL_KWARGS = {"config": "config_kwargs", "tokenizer": "tokenizer_kwargs", "model": "model_kwargs"}

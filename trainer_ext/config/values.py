@@ -123,3 +123,15 @@ def _number(value):
         except ValueError:
             pass
     return None
+
+
+def option_words(value) -> list[str]:
+    """An option-list flag (`--sharded_ddp "zero_dp_2 offload"`, `--fsdp "full_shard auto_wrap"`), as a string, a
+    list (an experiment file's, or transformers' parsed enums), or nothing (None, False, "", a bare flag's True) -> its
+    words, unchecked: the one reading of option words both backends check."""
+    if value is None or value is False or value is True or value == "":
+        return []
+    if isinstance(value, str) and not isinstance(value, enum.Enum):
+        return value.split()
+    items = [value] if isinstance(value, enum.Enum) else value
+    return [word for item in items for word in str(getattr(item, "value", item)).split()]

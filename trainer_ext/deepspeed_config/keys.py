@@ -150,7 +150,7 @@ TOP_LEVEL_TYPES: dict[str, FieldType] = {
 }
 # Every scalar field of the sections DeepSpeed 0.19 reads with its pydantic models (deepspeed/runtime/zero/config.py,
 # zero/offload_config.py, precision_config.py): checked before training, as DeepSpeed would check them once the model is
-# loaded. tests/integration/test_key_tables.py compares this with the models' fields, and
+# loaded. tests/unit/test_key_tables.py compares this with the models' fields, and
 # tests/unit/test_deepspeed_accepts.py checks bad values per field are refused exactly when DeepSpeed's models refuse.
 FIELD_TYPES: dict[str, dict[str, FieldType]] = {
     "zero_optimization": {
@@ -199,7 +199,7 @@ NESTED_HOME: dict[str, str] = {
 }
 
 # optimizer.type values DeepSpeed 0.19 builds: its own (any case; deepspeed/runtime/config.py DEEPSPEED_OPTIMIZERS) or a
-# torch.optim class by its exact name (engine._is_supported_optimizer); tests/integration/test_key_tables.py checks both lists.
+# torch.optim class by its exact name (engine._is_supported_optimizer); tests/unit/test_key_tables.py checks both lists.
 DEEPSPEED_OPTIMIZER_NAMES = ("Adagrad", "Adam", "AdamW", "Lamb", "MuAdam", "MuAdamW", "MuSGD", "Lion", "Muon")
 DEEPSPEED_OPTIMIZERS = frozenset(name.lower() for name in DEEPSPEED_OPTIMIZER_NAMES)
 TORCH_OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "Muon", "NAdam",

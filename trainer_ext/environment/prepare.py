@@ -17,11 +17,12 @@ _PREPARED: list[weakref.ref] = []  # the arguments this process is set up for (d
 
 
 def prepare_process(args) -> None:
-    """What training with `args` needs of this process, in one place: a SageMaker job's TensorBoard folder (and its model and checkpoint
-    folders on stock TrainingArguments), each CPU rank's share of the cores, a 1-rank process group when no launcher
-    started a backend that needs one, DeepSpeed imported where installed (as accelerate would, without its warning or
-    variables), the selected backend's own set-up (DeepSpeed: DS_ACCELERATOR on a machine without a GPU, stale
-    leftovers removed, TORCH_CUDA_ARCH_LIST made readable, the group joined under ZeRO-3), and --checkpoint_uri taking a write (main
+    """What training with `args` needs of this process, in one place: a SageMaker job's TensorBoard folder (and its
+    model and checkpoint folders on stock TrainingArguments), each CPU rank's share of the cores, a 1-rank process
+    group when no launcher started a backend that needs one, DeepSpeed imported where installed (as accelerate would,
+    without its warning or variables), stock TrainingArguments resolved as parsing resolves ExtTrainingArguments, the
+    selected backend's own set-up (DeepSpeed: DS_ACCELERATOR on a machine without a GPU, stale leftovers removed,
+    TORCH_CUDA_ARCH_LIST made readable, the group joined under ZeRO-3), and --checkpoint_uri taking a write (main
     process: one probe object, then deleted) before any model is loaded."""
     if args is None or any(ref() is args for ref in _PREPARED):
         return  # the recipes, sharded_loading and ExtTrainer each call it: the work is done once

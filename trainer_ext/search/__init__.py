@@ -8,8 +8,8 @@ launch.py    a trial's command line under each launcher, its environment, its pr
 guard.py     a trial's first process: the trial checkpoints and stops when the search dies
 callback.py  inside a trial: reports evaluations (at training samples) to the study, stops a pruned trial after a
              checkpoint
-study.py     the Optuna side: storage and its driver, sampler and pruner registries
-workers.py   several workers on one study: the lock, heartbeats, which trials' worker is gone
+study.py     the Optuna side: storage and its driver, heartbeats and retries, sampler and pruner registries
+workers.py   several workers on one study: the lock for asking (liveness: Optuna's heartbeats and retries)
 copies.py    a trial's checkpoints and model across machines: fetched for a takeover, the best copied, the rest removed
 runner.py    the loop: start, take over, record; signals
 report.py    the table of trials, plots, the best trial's model kept

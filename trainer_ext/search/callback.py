@@ -83,7 +83,14 @@ class SearchTrialCallback(TrainerCallback):
             self._trial = running_trial(self.spec["storage"], self.spec["study_name"], self.spec["trial"],
                                         self.spec["pruner"])
         samples = state.global_step * samples_per_step(args)
-        self._trial.report(float(value), samples)
+        from optuna.exceptions import UpdateFinishedTrialError
+
+        try:
+            self._trial.report(float(value), samples)
+        except UpdateFinishedTrialError:  # its worker looked dead (stopped?) and another retries it: not recorded
+            logger.warning("search: trial %s was failed as stale and is retried elsewhere: this evaluation is not "
+                           "recorded; the search stops this run when its worker continues", self.spec["number"])
+            return False
         if state.global_step >= state.max_steps or not self._trial.should_prune():
             return False
         self._trial.set_user_attr(PRUNED_ATTR, state.global_step)

@@ -19,7 +19,8 @@ def check(experiment_path: str, flags: list[str], overrides: dict) -> dict:
     """-> {"problems": [...], "warnings": [...], "settings": SearchSettings as a dict or None, "deepspeed": the
     experiment's DeepSpeed config as given, "checkpoint_uri" and "storage_options": the experiment's}."""
     from ..deepspeed_config import DeepSpeedConfigError
-    from ..config.experiment_file import TASKS, ExperimentError, argument_classes, flag_types, load_experiment, read
+    from ..config.experiment_file import ExperimentError, argument_classes, flag_types, load_experiment, read
+    from ..tasks import TASKS
 
     problems: list[str] = []
     result = {"problems": problems, "warnings": [], "settings": None, "deepspeed": None, "checkpoint_uri": None,

@@ -16,7 +16,7 @@ from pathlib import Path
 from ..checkpoints.format import newest_valid_checkpoint
 from . import PRUNED_ATTR
 from .copies import copied_trial, download_model, remove_remote, replace
-from .study import shown
+from .study import folder_number, retried, shown
 
 RESULTS = "search_results.md"
 PLOTS = {"optimization_history.png": "plot_optimization_history", "param_importances.png": "plot_param_importances",
@@ -54,9 +54,11 @@ def table(study, metric: str) -> str:
     best = _best(study)
     header = ["trial", "state", metric, *names, "steps", "time", "runs", "hosts", "takeovers"]
     rows = []
+    again = retried(trials)
     for trial in trials:
         attrs = trial.user_attrs
-        state = trial.state.name + (" (best)" if best is not None and trial.number == best.number else "")
+        state = trial.state.name + (" (best)" if best is not None and trial.number == best.number else "") + \
+            (" (retried)" if trial.number in again else "")
         value = trial.value if trial.state.name == "COMPLETE" else trial.intermediate_values.get(trial.last_step)
         steps = attrs.get("steps", attrs.get(PRUNED_ATTR))  # optimizer steps (intermediate values are at samples)
         rows.append([str(trial.number), state, "" if value is None else short(value),
@@ -79,12 +81,14 @@ def write(study, settings, study_dir: Path, me: dict, plots: bool) -> str:
     counts = {}
     for trial in trials:
         counts[trial.state.name] = counts.get(trial.state.name, 0) + 1
-    summary = [f"study {settings.study_name!r} in {shown(settings.storage_url)}: {len(trials)} of {settings.max_trials} "
-               f"trials ({', '.join(f'{count} {state.lower()}' for state, count in sorted(counts.items()))}); "
-               f"{settings.metric}, {settings.direction}"]
+    again = retried(trials)
+    states = ", ".join(f"{count} {state.lower()}" for state, count in sorted(counts.items()))
+    summary = [f"study {settings.study_name!r} in {shown(settings.storage_url)}: {len(trials) - len(again)} of "
+               f"{settings.max_trials} trials ({states}" + (f", of which {len(again)} retried" if again else "")
+               + f"); {settings.metric}, {settings.direction}"]
     runs = {}
     for trial in trials:
-        for host in hosts(trial, every_run=True):
+        for host in hosts(trial, every_run=True) if trial.number not in again else ():  # its retry holds its runs
             runs[host] = runs.get(host, 0) + 1
     moved = [trial.number for trial in trials if trial.user_attrs.get("takeovers")]
     if len(runs) > 1 or moved:
@@ -152,7 +156,9 @@ def draw_workers(study, path: Path) -> bool:
     than one worker took part."""
     import time
 
-    trials = [trial for trial in study.get_trials(deepcopy=False) if trial.user_attrs.get("history")]
+    every = study.get_trials(deepcopy=False)
+    again = retried(every)  # a retried trial's runs are in its retry's history too
+    trials = [trial for trial in every if trial.user_attrs.get("history") and trial.number not in again]
     workers = {(trial.user_attrs.get("owner") or {}).get("study_dir") for trial in trials}
     names = list(dict.fromkeys(host for trial in trials for host in hosts(trial, every_run=True)))
     if len(names) < 2 and len(workers) < 2:
@@ -198,7 +204,7 @@ def draw_workers(study, path: Path) -> bool:
 def here(trial, study_dir: Path, me: dict) -> bool:
     """The trial finished in this worker's folder on this machine (its model is there)."""
     owner, folder = trial.user_attrs.get("owner") or {}, trial.user_attrs.get("trial_dir")
-    local = study_dir / f"trial-{trial.number}"
+    local = study_dir / f"trial-{folder_number(trial)}"
     if folder is None:  # a study from before workers were recorded
         return local.is_dir()
     return Path(folder) == local and owner.get("host") == me["host"] and local.is_dir()
@@ -208,7 +214,7 @@ def best_model_text(best, study_dir: Path, me: dict) -> str:
     """Where the best trial's model is, as the report says it."""
     link = study_dir / "best"
     if here(best, study_dir, me):
-        return f"{link} -> trial-{best.number}"
+        return f"{link} -> trial-{folder_number(best)}"
     copied = copied_trial(link)
     if copied and copied.get("trial") == best.number:
         return f"{link} (copied from {copied['from']})"
@@ -228,9 +234,9 @@ def keep_best(study, study_dir: Path, me: dict, keep_checkpoints: bool, storage_
         link, temporary = study_dir / "best", study_dir / ".best"
         copied = copied_trial(link)
         if here(best, study_dir, me):
-            if not link.is_symlink() or os.readlink(link) != f"trial-{best.number}":
+            if not link.is_symlink() or os.readlink(link) != f"trial-{folder_number(best)}":
                 temporary.unlink(missing_ok=True)
-                temporary.symlink_to(f"trial-{best.number}", target_is_directory=True)
+                temporary.symlink_to(f"trial-{folder_number(best)}", target_is_directory=True)
                 replace(link, temporary)
         elif best.user_attrs.get("model_uri") and (copied or {}).get("trial") != best.number:
             try:
@@ -242,10 +248,17 @@ def keep_best(study, study_dir: Path, me: dict, keep_checkpoints: bool, storage_
             link.unlink() if link.is_symlink() else shutil.rmtree(link)  # it would name a trial that is not the best
     if keep_checkpoints:
         return
-    for trial in study.get_trials(deepcopy=False):
-        if trial.state.is_finished() and (best is None or trial.number != best.number):
+    trials = study.get_trials(deepcopy=False)
+    again = retried(trials)
+    # A retry continues its original's folder; a trial just found stale (FAIL without an error) is about to have one.
+    live = {folder_number(trial) for trial in trials if not trial.state.is_finished() or (
+        trial.state.name == "FAIL" and "error" not in trial.user_attrs and trial.number not in again)}
+    if best is not None:
+        live.add(folder_number(best))
+    for trial in trials:
+        if trial.state.is_finished() and folder_number(trial) not in live:
             for pattern in WEIGHTS:
-                for path in (study_dir / f"trial-{trial.number}").glob(pattern):
+                for path in (study_dir / f"trial-{folder_number(trial)}").glob(pattern):
                     shutil.rmtree(path) if path.is_dir() else path.unlink()
             uri = trial.user_attrs.get("checkpoint_uri")
             if uri and uri not in removed:

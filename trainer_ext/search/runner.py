@@ -1,9 +1,10 @@
-"""The search loop of one worker: start trials up to parallel_trials at a time until the study holds max_trials, take
-over the RUNNING trials whose worker is gone (a stopped or killed search on this machine, or another machine's worker
-whose heartbeat stopped: same values, from the newest checkpoint within reach), record each trial as COMPLETE, PRUNED
-or FAIL and never run a finished one again, and wait for the other workers' trials before the final report.
-SIGTERM/SIGINT stop the running trials at a checkpoint and leave them to another worker or to the next run of the same
-command; a second SIGINT kills them."""
+"""The search loop of one worker: start trials up to parallel_trials at a time until the study holds max_trials,
+continue the retries Optuna queues for trials whose worker is gone (RDBStorage's heartbeats and fail_stale_trials: a
+killed or stopped search, here or on another machine; same values, from the newest checkpoint within reach, in the
+original trial's folder), record each trial as COMPLETE, PRUNED or FAIL and never run a finished one again, and wait
+for the other workers' trials before the final report. SIGTERM/SIGINT stop the running trials at a checkpoint and hand
+them on at once (FAIL + a queued retry) to another worker or to the next run of the same command; a second SIGINT
+kills them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import dataclasses
 import json
 import signal
 import time
+import warnings
 from pathlib import Path
 
 from . import PRUNED_ATTR, TRIAL_ENV
@@ -18,9 +20,11 @@ from .copies import fetch_checkpoint, upload_model
 from .launch import Launcher, device_slots, group_gone, start, stop, stop_and_wait, trial_environment
 from .report import keep_best, short, trial_outcome, write
 from .space import SearchSettings, trial_flags
-from .study import open_study, storage, trial_id, with_sampler
+from .study import (fail_stale_trials, folder_number, hand_on, open_study, retried_from, storage, trial_id,
+                    with_sampler)
 from ..environment.processes import alive, same_process, this_process
-from .workers import STOPPED, Heartbeat, StudyLock, Watch, this_worker
+from ..integrations import internals
+from .workers import StudyLock, this_worker
 
 POLL_S = 0.5
 FAILURES_IN_A_ROW = 3  # then the search stops starting trials: the experiment itself is likely broken
@@ -33,11 +37,16 @@ class Trial:
     number: int
     id: int
     params: dict
+    folder: int  # N of its folder trial-N: a retry's is its original trial's
     slot: int = 0
     process: object = None
     started: float = 0.0
     exited: float = 0.0
-    lost: bool = False  # another worker took it over while this one ran it
+    lost: bool = False  # another worker found its heartbeat stale (FAIL + a retry) while this one ran it
+
+    @property
+    def label(self) -> str:
+        return f"trial {self.number}" + (f" (retry of trial {self.folder})" if self.folder != self.number else "")
 
 
 class Search:
@@ -52,9 +61,9 @@ class Search:
         self.stopping = 0  # the signal that stops the search
         self.failures = 0
         self.running: dict[int, Trial] = {}
-        self.study = self.database = self.heartbeat = None
+        self.study = self.database = None
+        self.beats: dict[int, object] = {}  # trial id -> Optuna's heartbeat thread for a trial this worker runs
         self.lock = StudyLock(settings.storage_url, settings.study_name)
-        self.watch = Watch(self.me, settings.grace_period)
         self.waiting_for: set[int] = set()  # other workers' trials this worker said it waits for
         self.removed: set[str] = set()  # remote copies of finished trials removed
 
@@ -79,19 +88,19 @@ class Search:
     def _loop(self) -> None:
         self.study_dir.mkdir(parents=True, exist_ok=True)
         with self.lock:  # workers starting together create the tables and the study once
-            self.database = storage(self.settings.storage_url)
+            self.database = storage(self.settings.storage_url, self.settings.heartbeat_interval,
+                                    self.settings.grace_period)
             self.study = open_study(self.settings, self.database)
-        self.heartbeat = Heartbeat(self.database, self.me, self.settings.heartbeat_interval)
-        self.heartbeat.start()
         slots = device_slots(self.settings.parallel_trials, self.launcher)
         free = list(range(self.settings.parallel_trials))
         waiting: list[Trial] = []
         next_look = 0.0
         while True:
-            # Other workers' trials: is their worker gone? Looked at on each heartbeat, and before asking a new trial.
-            if not self.stopping and (free or time.monotonic() >= next_look):
+            # Optuna's check, once a heartbeat: a trial whose heartbeat is stale becomes FAIL + a queued retry.
+            if not self.stopping and time.monotonic() >= next_look:
                 next_look = time.monotonic() + self.settings.heartbeat_interval
-                waiting += self._take_over(len(free) - len(waiting))
+                fail_stale_trials(self.study)
+                self._check_own()
             while free and not self.stopping:
                 trial = waiting.pop(0) if waiting else self._new_trial()
                 if trial is None:
@@ -101,35 +110,32 @@ class Search:
             if not self.running and (self.stopping or not waiting and self._finished()):
                 return  # trials taken and not started stay RUNNING: _leave() hands them on
             time.sleep(POLL_S)
-            for trial in self.running.values():
-                if trial.id in self.heartbeat.lost and not trial.lost:
-                    trial.lost = True
-                    print(f"trial {trial.number}: another worker took it over (this one looked dead to it): stopping "
-                          "this run at a checkpoint, not recording it", flush=True)
-                    stop(trial.process.pid)
             for trial in [trial for trial in self.running.values() if self._ended(trial)]:
                 del self.running[trial.number]
                 free.append(trial.slot)
-                if not trial.lost and self._record(trial):
+                if trial.lost:
+                    self._drop(trial.id)
+                elif self._record(trial):
                     waiting.append(trial)
                 self._keep_best()
                 write(self.study, self.settings, self.study_dir, self.me, plots=False)
 
     def _finished(self) -> bool:
         """Nothing left for this worker: stopped, too many failures, or no trial to ask and none running elsewhere
-        (while other workers run trials, this one waits: if their worker dies, it takes them over)."""
+        (while other workers run trials, this one waits: if their worker dies, Optuna queues a retry it continues)."""
         from optuna.trial import TrialState
 
         if self.stopping or self.failures >= FAILURES_IN_A_ROW:
             return True
-        elsewhere = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-        for frozen in elsewhere:
-            if frozen.number not in self.waiting_for:
+        left = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))
+        for frozen in left:
+            if frozen.number not in self.waiting_for and frozen.state == TrialState.RUNNING:
                 self.waiting_for.add(frozen.number)
                 owner = frozen.user_attrs.get("owner") or {}
                 print(f"trial {frozen.number}: running on {owner.get('host')} (pid {owner.get('pid')}); waiting for it "
-                      "to finish, or to take it over if its worker dies", flush=True)
-        return not elsewhere
+                      f"to finish, or to retry it if its heartbeat stops for {self.settings.grace_period} s",
+                      flush=True)
+        return not left
 
     def _ended(self, trial: Trial) -> bool:
         """The trial's guard has exited and so has every process it started; a straggler is killed after a while."""
@@ -150,82 +156,80 @@ class Search:
             "stopping the running trials at a checkpoint (Ctrl-C again kills them)"), flush=True)
 
     # -- trials --------------------------------------------------------------------------------------------
-    def _take_over(self, room: int) -> list[Trial]:
-        """Up to `room` RUNNING trials whose worker is gone, now this worker's: what is left of their processes on this
-        machine stopped, their newest reachable checkpoint fetched, to continue with the same values."""
+    def _check_own(self) -> None:
+        """A trial of this worker that is no longer RUNNING was found stale by another worker (this one looked dead to
+        it: stopped, or cut off from the database) and is retried there: this run stops at a checkpoint, unrecorded."""
         from optuna.trial import TrialState
 
-        gone = {}
-        for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            reason = None if frozen.number in self.running else self.watch.gone(frozen)
-            if reason:
-                gone[frozen.number] = (frozen, reason)
-        taken = []
-        for frozen, reason in list(gone.values())[:max(0, room)]:
-            with self.lock:  # another worker may have taken it meanwhile
-                now = self.database.get_trial(trial_id(frozen))
-                if now.state != TrialState.RUNNING or now.user_attrs.get("owner") != frozen.user_attrs.get("owner") \
-                        or now.user_attrs.get("heartbeat") != frozen.user_attrs.get("heartbeat"):
-                    continue
-                self.database.set_trial_user_attr(trial_id(now), "owner", self.me)
-            self.heartbeat.own(trial_id(now), now.user_attrs.get("heartbeat"))
-            trial = self._continue(now, reason)
-            if trial is not None:
-                taken.append(trial)
-        return taken
+        for trial in self.running.values():
+            if not trial.lost and self.database.get_trial(trial.id).state != TrialState.RUNNING:
+                trial.lost = True
+                print(f"{trial.label}: another worker found its heartbeat stale and retries it: stopping this run at a "
+                      "checkpoint, not recording it", flush=True)
+                stop(trial.process.pid)
 
-    def _continue(self, frozen, reason: str) -> Trial | None:
-        """A trial this worker just took: its last run's processes stopped if they are on this machine, a pruned
-        verdict recorded, otherwise the newest checkpoint within reach fetched into this worker's trial folder."""
+    def _continue(self, frozen) -> Trial | None:
+        """A retry Optuna queued for a trial whose worker is gone, now this worker's: its last run's processes stopped
+        if they are on this machine, a pruned verdict recorded, otherwise the newest checkpoint within reach fetched
+        into this worker's folder of the original trial."""
         from optuna.trial import TrialState
 
         attrs, owner = frozen.user_attrs, frozen.user_attrs.get("owner") or {}
+        trial = Trial(frozen.number, trial_id(frozen), dict(frozen.params), folder_number(frozen))
         process = attrs.get("process")
         if process and alive(process):
-            print(f"trial {frozen.number}: still running from the last search; stopping it at a checkpoint",
-                  flush=True)
+            print(f"{trial.label}: still running from the last search; stopping it at a checkpoint", flush=True)
             stop_and_wait(process["pid"])
         self._count_lost_run(frozen)
         if PRUNED_ATTR in attrs:
-            self.study.tell(frozen.number, state=TrialState.PRUNED)
-            self.heartbeat.drop(trial_id(frozen))
+            self._tell(trial, state=TrialState.PRUNED)
             return None
-        trial_dir = self.study_dir / f"trial-{frozen.number}"
+        reason = "its worker stopped" if attrs.get("left") else \
+            f"no heartbeat from its worker for {self.settings.grace_period} s: Optuna failed it as stale"
+        self.database.set_trial_user_attr(trial.id, "left", None)
+        trial_dir = self.study_dir / f"trial-{trial.folder}"
         trial_dir.mkdir(parents=True, exist_ok=True)
         moved = bool(attrs.get("trial_dir")) and Path(attrs["trial_dir"]) != trial_dir
         if moved:
-            self.database.set_trial_user_attr(trial_id(frozen), "takeovers", attrs.get("takeovers", 0) + 1)
+            self.database.set_trial_user_attr(trial.id, "takeovers", attrs.get("takeovers", 0) + 1)
         try:
             where = fetch_checkpoint(attrs, trial_dir, self.me, self.storage_options)
         except Exception as err:  # noqa: BLE001 - an unreachable copy: the trial's own folder is what is left
             where = f"continues without the remote copy ({type(err).__name__}: {err})"
-        if moved or owner.get("host") != self.me["host"]:
-            print(f"trial {frozen.number}: taken over from {owner.get('host')}:{attrs.get('trial_dir')} ({reason}); "
-                  f"it {where}", flush=True)
-        return Trial(frozen.number, trial_id(frozen), dict(frozen.params))
+        print(f"{trial.label}: taken over from {owner.get('host')}:{attrs.get('trial_dir')} ({reason}); it {where}",
+              flush=True)
+        return trial
 
     def _new_trial(self) -> Trial | None:
         """A new trial, owned by this worker from the moment it exists; None when the study holds max_trials (counted
         and asked under the lock: workers together ask exactly max_trials)."""
+        from optuna.trial import TrialState
+
         if self.failures >= FAILURES_IN_A_ROW:
             return None
         with self.lock:
-            count = len(self.study.get_trials(deepcopy=False))
-            if count >= self.settings.max_trials:
+            trials = self.study.get_trials(deepcopy=False)
+            count = sum(retried_from(trial) is None for trial in trials)  # a retry stands in for its original
+            if count >= self.settings.max_trials and not any(t.state == TrialState.WAITING for t in trials):
                 return None
             distributions = {name: param.distribution() for name, param in self.settings.space.items()}
-            trial = with_sampler(self.database, self.settings, count).ask(distributions)
-            self.database.set_trial_user_attr(trial_id(trial), "owner", self.me)
-        self.heartbeat.own(trial_id(trial), 0)
-        return Trial(trial.number, trial_id(trial), dict(trial.params))
+            with warnings.catch_warnings():  # ask pops a queued retry first; heartbeats outside optimize() are ours
+                warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed")
+                asked = with_sampler(self.database, self.settings, count).ask(distributions)
+            frozen = self.database.get_trial(trial_id(asked))  # a retry's attributes name its last run's worker
+            self.database.set_trial_user_attr(trial_id(asked), "owner", self.me)
+            self._beat(trial_id(asked))
+        if retried_from(frozen) is not None:
+            return self._continue(frozen)
+        return Trial(frozen.number, trial_id(frozen), dict(frozen.params), frozen.number)
 
     def _start(self, trial: Trial, devices) -> None:
-        trial_dir = self.study_dir / f"trial-{trial.number}"
+        trial_dir = self.study_dir / f"trial-{trial.folder}"
         trial_dir.mkdir(parents=True, exist_ok=True)
         attrs = self.database.get_trial(trial.id).user_attrs
         flags = [*self.flags, "--output_dir", str(trial_dir), *trial_flags(trial.params, self.deepspeed)]
         remote = attrs.get("checkpoint_uri") or (self.checkpoint_uri and
-                                                  f"{self.checkpoint_uri.rstrip('/')}/trial-{trial.number}")
+                                                  f"{self.checkpoint_uri.rstrip('/')}/trial-{trial.folder}")
         if remote:  # the copy other workers continue the trial from: the first run's, whatever this worker's flags
             flags += ["--checkpoint_uri", remote]
         command = [*self.launcher.command(devices), "train", self.experiment, *flags]
@@ -234,7 +238,7 @@ class Search:
         env = trial_environment({TRIAL_ENV: json.dumps(spec)}, devices, self.launcher, self.settings.parallel_trials)
         runs = attrs.get("runs", 0)
         with open(trial_dir / "trial.log", "a") as log:
-            log.write(f"\n=== trainer-ext search: trial {trial.number}, run {runs + 1}, {self.me['host']}, "
+            log.write(f"\n=== trainer-ext search: {trial.label}, run {runs + 1}, {self.me['host']}, "
                       f"{time.ctime()}\n=== {' '.join(command)}\n")
         history = [*attrs.get("history", []), [self.me["host"], time.time(), None]]  # host, start, end of each run
         for key, value in (("runs", runs + 1), ("run_started", time.time()), ("trial_dir", str(trial_dir)),
@@ -244,7 +248,7 @@ class Search:
         self.database.set_trial_user_attr(trial.id, "process", this_process(trial.process.pid))
         self.running[trial.number] = trial
         values = " ".join(f"{name}={short(value)}" for name, value in trial.params.items())
-        print(f"trial {trial.number} {'continues' if runs else 'starts'}: {values}  (log: {trial_dir}/trial.log)",
+        print(f"{trial.label} {'continues' if runs else 'starts'}: {values}  (log: {trial_dir}/trial.log)",
               flush=True)
 
     def _count_lost_run(self, frozen) -> None:
@@ -252,7 +256,7 @@ class Search:
         machine: until its worker's last heartbeat, unknown here, so the run's time is not counted)."""
         attrs = frozen.user_attrs
         started = attrs.get("run_started")
-        log = Path(attrs.get("trial_dir") or self.study_dir / f"trial-{frozen.number}") / "trial.log"
+        log = Path(attrs.get("trial_dir") or self.study_dir / f"trial-{folder_number(frozen)}") / "trial.log"
         if started is None:
             return
         if (attrs.get("owner") or {}).get("host") == self.me["host"] and log.is_file():
@@ -269,19 +273,31 @@ class Search:
             self.database.set_trial_user_attr(trial, "history", history)
 
     def _leave(self) -> None:
-        """Trials this worker owns and leaves RUNNING (stopped by a signal): other workers may continue them now."""
-        if self.heartbeat is None:
+        """Trials this worker owns and leaves RUNNING (stopped by a signal): handed on now, FAIL + a queued retry, so
+        another worker or the next run continues them at once instead of after the grace period."""
+        for trial in list(self.beats):
+            self._drop(trial)
+        if self.study is None:
             return
-        self.heartbeat.stop()
-        self.heartbeat.join(timeout=self.settings.heartbeat_interval + 30)  # its last beat must not follow STOPPED
         from optuna.trial import TrialState
 
         try:
             for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
                 if same_process(frozen.user_attrs.get("owner"), self.me):
-                    self.database.set_trial_user_attr(trial_id(frozen), "heartbeat", STOPPED)
-        except Exception as err:  # noqa: BLE001 - they are taken over after the grace period instead
-            print(f"trainer-ext search: could not mark the trials left as stopped ({err})", flush=True)
+                    self.database.set_trial_user_attr(trial_id(frozen), "left", "stopped")
+                    hand_on(self.study, self.database, frozen)
+        except Exception as err:  # noqa: BLE001 - Optuna retries them once their heartbeat is stale
+            print(f"trainer-ext search: could not hand on the trials left ({err})", flush=True)
+
+    def _beat(self, trial: int) -> None:
+        """Optuna's heartbeat for a trial this worker runs, stamped with the database's clock until _drop."""
+        self.beats[trial] = internals.optuna_heartbeat_thread(trial, self.database)
+        self.beats[trial].start()
+
+    def _drop(self, trial: int) -> None:
+        beat = self.beats.pop(trial, None)
+        if beat is not None:
+            beat.join()
 
     def _keep_best(self) -> None:
         keep_best(self.study, self.study_dir, self.me, self.keep_checkpoints, self.storage_options, self.removed)
@@ -290,11 +306,13 @@ class Search:
         """Record how the trial's process ended; True when it should run again now (it was interrupted)."""
         from optuna.trial import TrialState
 
-        status, trial_dir = trial.process.returncode, self.study_dir / f"trial-{trial.number}"
-        attrs = self.database.get_trial(trial.id).user_attrs
-        if not same_process(attrs.get("owner"), self.me):
-            print(f"trial {trial.number}: another worker took it over: this run is not recorded", flush=True)
-            self.heartbeat.drop(trial.id)
+        status, trial_dir = trial.process.returncode, self.study_dir / f"trial-{trial.folder}"
+        frozen = self.database.get_trial(trial.id)
+        attrs = frozen.user_attrs
+        if frozen.state != TrialState.RUNNING:
+            print(f"{trial.label}: another worker found its heartbeat stale and retries it: this run is not recorded",
+                  flush=True)
+            self._drop(trial.id)
             return False
         spent = attrs.get("seconds", 0.0) + time.monotonic() - trial.started
         self.database.set_trial_user_attr(trial.id, "seconds", spent)
@@ -304,7 +322,7 @@ class Search:
         if PRUNED_ATTR in attrs:
             self._tell(trial, state=TrialState.PRUNED)
             self.failures = 0
-            print(f"trial {trial.number} PRUNED at step {attrs[PRUNED_ATTR]} ({took})", flush=True)
+            print(f"{trial.label} PRUNED at step {attrs[PRUNED_ATTR]} ({took})", flush=True)
             return False
         if status == 0:
             value, steps, error = trial_outcome(trial_dir, name)
@@ -314,19 +332,18 @@ class Search:
                 self._share_model(trial, attrs, value)
                 self._tell(trial, value)
                 self.failures = 0
-                print(f"trial {trial.number} COMPLETE: {name} {value:.4g} after {steps} steps ({took})", flush=True)
+                print(f"{trial.label} COMPLETE: {name} {value:.4g} after {steps} steps ({took})", flush=True)
                 return False
             return self._fail(trial, error)
         if self.stopping or status in INTERRUPTED:
-            print(f"trial {trial.number} interrupted ({took}): it continues from its checkpoint"
+            print(f"{trial.label} interrupted ({took}): it continues from its checkpoint"
                   + (" when the search runs again" if self.stopping else ""), flush=True)
             return not self.stopping
         return self._fail(trial, f"exit status {status}: {_last_error(trial_dir / 'trial.log')}")
 
     def _tell(self, trial: Trial, value=None, state=None) -> None:
-        self.heartbeat.drop(trial.id)
-        with self.lock:
-            self.study.tell(trial.number, value, state=state)
+        self._drop(trial.id)
+        self.study.tell(trial.number, value, state=state, skip_if_finished=True)
 
     def _share_model(self, trial: Trial, attrs: dict, value: float) -> None:
         """A trial that becomes the best: its model to the remote copy too, before the trial is recorded (so another
@@ -341,7 +358,7 @@ class Search:
         if best is not None and (value < best if self.settings.direction == "maximize" else value > best):
             return  # never the best (a tie may be: Optuna picks one of equal trials)
         try:
-            model_uri = upload_model(self.study_dir / f"trial-{trial.number}", attrs["checkpoint_uri"],
+            model_uri = upload_model(self.study_dir / f"trial-{trial.folder}", attrs["checkpoint_uri"],
                                      self.storage_options)
             self.database.set_trial_user_attr(trial.id, "model_uri", model_uri)
         except Exception as err:  # noqa: BLE001 - the model stays in this worker's folder; the report says where
@@ -353,7 +370,7 @@ class Search:
         self.database.set_trial_user_attr(trial.id, "error", error)
         self._tell(trial, state=TrialState.FAIL)
         self.failures += 1
-        print(f"trial {trial.number} FAIL: {error} (log: {self.study_dir}/trial-{trial.number}/trial.log)", flush=True)
+        print(f"{trial.label} FAIL: {error} (log: {self.study_dir}/trial-{trial.folder}/trial.log)", flush=True)
         if self.failures == FAILURES_IN_A_ROW:
             print(f"trainer-ext search: {FAILURES_IN_A_ROW} trials failed in a row: no new trials (see their logs)",
                   flush=True)

@@ -70,8 +70,8 @@ class SearchSettings:
     sampler: dict = dataclasses.field(default_factory=lambda: {"type": "tpe"})
     pruner: dict = dataclasses.field(default_factory=lambda: {"type": "none"})
     storage: str | None = None  # any SQLAlchemy URL; None: SQLite in study_dir
-    heartbeat_interval: float = 10.0  # seconds between a worker's heartbeats on the trials it runs
-    grace_period: float = 60.0  # a trial whose heartbeat stands still this long is taken over by another worker
+    heartbeat_interval: int = 10  # seconds between Optuna's heartbeats on the trials a worker runs (whole seconds)
+    grace_period: int = 60  # a trial whose heartbeat is older than this is failed and retried by another worker
 
     @property
     def storage_url(self) -> str:
@@ -117,8 +117,8 @@ def read_search(section, where: str, types: dict, *, metrics=None, has_deepspeed
                         + did_you_mean(direction, DIRECTIONS))
     counts = {key: _positive(section.get(key, default), int, f"{where}: {key}", problems)
               for key, default in (("max_trials", 10), ("parallel_trials", 1))}
-    timing = {key: _positive(section.get(key, default), float, f"{where}: {key}", problems)
-              for key, default in (("heartbeat_interval", 10.0), ("grace_period", 60.0))}
+    timing = {key: _positive(section.get(key, default), int, f"{where}: {key}", problems)  # Optuna takes integers
+              for key, default in (("heartbeat_interval", 10), ("grace_period", 60))}
     if timing["grace_period"] <= timing["heartbeat_interval"]:
         problems.append(f"{where}: grace_period {timing['grace_period']:g} must exceed heartbeat_interval "
                         f"{timing['heartbeat_interval']:g} (a few heartbeats, e.g. 6x), or live workers look dead")

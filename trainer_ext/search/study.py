@@ -91,13 +91,75 @@ def driver_problem(url: str) -> str | None:
     return None
 
 
-def storage(url: str):
+def storage(url: str, heartbeat_interval: int | None = None, grace_period: int | None = None):
+    """The study's RDBStorage. A worker's gives `heartbeat_interval`: Optuna then stamps a heartbeat on each trial the
+    worker runs with the database server's clock (SQLite's file too), and `fail_stale_trials` marks a RUNNING trial
+    whose heartbeat is older than `grace_period` FAIL and queues a WAITING retry of it with the same values."""
     import optuna
 
     if url.startswith("sqlite:///"):
         os.makedirs(os.path.dirname(url[len("sqlite:///"):]) or ".", exist_ok=True)
     kwargs = {"connect_args": {"timeout": SQLITE_WAIT_S}} if url.startswith("sqlite") else {}
-    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+    if heartbeat_interval is None:
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(inherit_intermediate_values=True)
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_interval,
+                                          grace_period=grace_period, heartbeat_stale_trial_callback=retry)
+
+
+def fail_stale_trials(study) -> None:
+    """Optuna's check of the other workers: their RUNNING trials with a stale heartbeat become FAIL + a WAITING retry
+    (exactly once: the worker whose update wins queues it)."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+def hand_on(study, database, frozen) -> None:
+    """A trial this worker leaves RUNNING when it stops cleanly: FAIL + a WAITING retry now, as Optuna's stale check
+    would do after the grace period, so another worker (or the next run) continues it at once."""
+    from optuna.trial import TrialState
+
+    from optuna.exceptions import UpdateFinishedTrialError
+
+    try:
+        failed = database.set_trial_state_values(trial_id(frozen), state=TrialState.FAIL)
+    except UpdateFinishedTrialError:  # another worker found it stale first and queued the retry
+        return
+    if failed:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Warning)
+            database.get_heartbeat_stale_trial_callback()(study, database.get_trial(trial_id(frozen)))
+
+
+def retried_from(frozen) -> int | None:
+    """The number of the trial this one retries (the first of the series), None for a trial of its own."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
+
+
+def folder_number(frozen) -> int:
+    """N of the trial's folder trial-N (and remote copy): a retry keeps its original's, to continue from its
+    checkpoints."""
+    original = retried_from(frozen)
+    return frozen.number if original is None else original
+
+
+def retried(trials) -> set[int]:
+    """The numbers of the trials that a later trial retries (FAIL, continued by their retry)."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return {number for trial in trials
+                for number in optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(trial)}
 
 
 def quiet_optuna() -> None:

@@ -2,7 +2,11 @@
 this process gets a callback that sends SIGNAL to its own process when the rank RANK ends optimizer step STEP. The
 preemption tests' signal then lands at the same step of every run, however fast the machine, instead of racing a log
 line. The process handles it as one a scheduler sent (the same handler, the same checkpoint). transformers is patched
-only when something imports it: launchers and other processes are untouched."""
+only when something imports it: launchers and other processes are untouched.
+
+"STEP:RANK:SIGNAL:outer" sends SIGNAL to the process group of the process that started this one's session instead
+(a search trial's session is led by its guard: the search), then waits for the SIGTERM that the search's death brings
+the trial (this callback runs before ExtTrainer's), so every rank's preemption checkpoint is STEP's on every run."""
 import importlib.abc
 import importlib.util
 import os
@@ -16,12 +20,15 @@ def install(trainer_class):
 
     from transformers import TrainerCallback
 
-    step, rank, name = SPEC.split(":")
+    step, rank, name, *target = SPEC.split(":")
 
     class SignalAtStep(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == int(step) and int(os.environ.get("RANK", "0")) == int(rank):
-                os.kill(os.getpid(), getattr(signal, name))
+                if target == ["outer"]:
+                    signal_outer(getattr(signal, name))
+                else:
+                    os.kill(os.getpid(), getattr(signal, name))
 
     built = trainer_class.__init__
 
@@ -30,6 +37,29 @@ def install(trainer_class):
         self.add_callback(SignalAtStep())
 
     trainer_class.__init__ = __init__
+
+
+def signal_outer(signum):
+    """`signum` to the process group of whoever started this session's leader; returns after this process got its
+    SIGTERM (handled by the handler it had), or after 60 s."""
+    import signal
+    import time
+
+    with open(f"/proc/{os.getsid(0)}/stat") as stat:
+        starter = int(stat.read().rsplit(")", 1)[1].split()[1])  # "pid (name) state ppid ..."
+    got, previous = [], signal.getsignal(signal.SIGTERM)
+
+    def note(number, frame):
+        got.append(number)
+        signal.signal(signal.SIGTERM, previous)
+        if callable(previous):
+            previous(number, frame)
+
+    signal.signal(signal.SIGTERM, note)
+    os.killpg(os.getpgid(starter), signum)
+    deadline = time.monotonic() + 60
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class PatchTrainerOnImport(importlib.abc.MetaPathFinder):
