@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
 
-from trainer_ext.backends.fsdp import (FSDP1_KEYS, FSDP1_OPTIONS, FSDPBackend, FSDPSettings, resolve_settings,
-                                       shard, sharding_choices, wrap_units)
+from trainer_ext.backends.fsdp.backend import FSDPBackend, shard, sharding_choices, wrap_units
+from trainer_ext.backends.fsdp.settings import FSDP1_KEYS, FSDP1_OPTIONS, FSDPSettings, resolve_settings
 from trainer_ext.errors import UserError
 
 CONFIG = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,

@@ -11,7 +11,7 @@ from .base import Backend
 BACKENDS = {
     "fairscale": (".fairscale", "FairScaleBackend"),
     "deepspeed": (".deepspeed.backend", "DeepSpeedBackend"),
-    "fsdp": (".fsdp", "FSDPBackend"),
+    "fsdp": (".fsdp.backend", "FSDPBackend"),
     "ddp": (".ddp", "DDPBackend"),
 }
 
