@@ -58,7 +58,7 @@ class FSDPBackend(Backend):
 
     @classmethod
     def prepare_arguments(cls, args) -> dict:
-        from ..environment.launcher import cpu_ranks
+        from ...environment.launcher import cpu_ranks
 
         settings, config, _ = resolve_settings(args.fsdp, args.fsdp_config)
         if settings.offload and cpu_ranks(args):
@@ -117,7 +117,7 @@ class FSDPBackend(Backend):
 
     @classmethod
     def memory_formulas(cls, mixed: bool) -> list:
-        from .base import BackendFormula
+        from ..base import BackendFormula
 
         # fp32 shards of the parameters (the master weights under --bf16/--fp16), their gradients and Adam's moments;
         # only the layer being computed is gathered, in the compute dtype.
