@@ -10,13 +10,12 @@ import json
 import math
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 from ..checkpoints.format import newest_valid_checkpoint
 from . import PRUNED_ATTR
 from .copies import copied_trial, download_model, remove_remote, replace
-from .study import folder_number, retried, shown
+from .study import experimental, folder_number, retried, shown
 
 RESULTS = "search_results.md"
 PLOTS = {"optimization_history.png": "plot_optimization_history", "param_importances.png": "plot_param_importances",
@@ -122,7 +121,6 @@ def draw(study, study_dir: Path) -> list[str]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        import optuna
         from optuna.importance import PedAnovaImportanceEvaluator
         from optuna.visualization import matplotlib as plots
     except ImportError:
@@ -137,8 +135,7 @@ def draw(study, study_dir: Path) -> list[str]:
             continue
         options = {"evaluator": PedAnovaImportanceEvaluator()} if name == "param_importances.png" else {}
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            with experimental():
                 axes = getattr(plots, function)(study, **options)
             if name == "intermediate_values.png":
                 axes.set_xlabel("training samples")  # the step the callback reports

@@ -6,10 +6,11 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+from contextlib import contextmanager
 
+from ..config.values import did_you_mean
 from ..errors import UserError
 from ..integrations import internals
-from ..config.values import did_you_mean
 
 SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler"}
 PRUNERS = {"none": "NopPruner", "median": "MedianPruner", "percentile": "PercentilePruner",
@@ -33,8 +34,7 @@ def build(kind: str, spec: dict, **extra):
     unknown = [f"{spec['type']}: unknown key {key!r}" + did_you_mean(key, valid) for key in options if key not in valid]
     if unknown:
         raise OptionError("\n".join(unknown))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+    with experimental():
         return cls(**{**options, **extra})
 
 
@@ -102,8 +102,7 @@ def storage(url: str, heartbeat_interval: int | None = None, grace_period: int |
     kwargs = {"connect_args": {"timeout": SQLITE_WAIT_S}} if url.startswith("sqlite") else {}
     if heartbeat_interval is None:
         return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+    with experimental():
         retry = optuna.storages.RetryHeartbeatStaleTrialCallback(inherit_intermediate_values=True)
         return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_interval,
                                           grace_period=grace_period, heartbeat_stale_trial_callback=retry)
@@ -114,8 +113,7 @@ def fail_stale_trials(study) -> None:
     (exactly once: the worker whose update wins queues it)."""
     import optuna
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+    with experimental():
         optuna.storages.fail_stale_trials(study)
 
 
@@ -140,8 +138,7 @@ def retried_from(frozen) -> int | None:
     """The number of the trial this one retries (the first of the series), None for a trial of its own."""
     import optuna
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+    with experimental():
         return optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
 
 
@@ -156,10 +153,19 @@ def retried(trials) -> set[int]:
     """The numbers of the trials that a later trial retries (FAIL, continued by their retry)."""
     import optuna
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+    with experimental():
         return {number for trial in trials
                 for number in optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(trial)}
+
+
+@contextmanager
+def experimental():
+    """Optuna's experimental API (heartbeat retries, their history) called without its warning on every call."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        yield
 
 
 def quiet_optuna() -> None:
