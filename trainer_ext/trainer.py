@@ -25,6 +25,7 @@ from .data.stream import TrainingStream, is_stream
 from .errors import UserError
 from .training.losses import (EvaluationLosses, NumItemsProbe, shifts_labels, sliced, takes_num_items,
                               token_cross_entropy)
+from .training.batches import MIXED_PACKED_SAMPLES, mixed_packed_samples
 from .training.metrics_check import checked_compute_metrics
 from .checkpoints.output_lock import hold_output_dir, release_output_dir
 from .checkpoints.preemption import Preempted, PreemptionCallback
@@ -82,6 +83,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self.fresh_optimizer_groups = None  # each group's hyperparameters as this run built them (create_scheduler)
         self._evaluation_model = None  # the backend's engine for an evaluation (see evaluation_loop)
         self._evaluation_losses = None  # the token-weighted loss of the evaluation running (see evaluation_loop)
+        self._batches_checked = set()  # "training", "evaluation": the first batch of each was checked (_check_batch)
         self.checkpoints = RunCheckpoints(self)  # resume, publish, rotate, --checkpoint_uri
         # First: its on_save publishes the checkpoint that every later on_save expects in place.
         self.callback_handler.callbacks.insert(0, self.checkpoints)
@@ -204,6 +206,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        self._check_batch("evaluation", inputs)
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if self._evaluation_losses is not None and loss is not None:
             self._evaluation_losses.add(inputs, loss, lambda count: super(ExtTrainer, self).prediction_step(
@@ -314,8 +317,18 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
 
     # -- backend hooks ---------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
+        self._check_batch("training", inputs)
         self._learning_rate_in_use = self.backend.learning_rate_in_use(self)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def _check_batch(self, kind: str, inputs) -> None:
+        """The first batch of training and of evaluation, before the model sees it: one whose samples would attend to
+        each other is refused on every rank (any rank's batch decides: a rank stopping alone would hang the others)."""
+        if kind in self._batches_checked:
+            return
+        self._batches_checked.add(kind)
+        if self._on_every_rank(mixed_packed_samples(inputs)):
+            raise UserError(f"{kind}: {MIXED_PACKED_SAMPLES}")
 
     def log(self, logs, start_time=None):
         if self._learning_rate_in_use is not None and "learning_rate" in logs:

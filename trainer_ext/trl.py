@@ -15,19 +15,14 @@ except ImportError as err:  # one line at the boundary, not a traceback
                               "\"trainer_ext[trl]\"") from None
 
 from .config.flags import ExtTrainingArguments
-from .config.settings import write
 from .trainer import ExtTrainer
 
 
 @dataclass
 class ExtSFTConfig(ExtTrainingArguments, SFTConfig):
     """ExtTrainingArguments plus every SFTConfig field (max_length, packing, completion_only_loss, ...), with TRL's
-    defaults (learning rate 2e-5, logging every 10 steps, gradient checkpointing on, bf16 unless fp16)."""
-
-    def __post_init__(self):
-        if self.bf16 is None:  # TRL's default, settled before our checks and the DeepSpeed file read it
-            write(self, {"bf16": not self.fp16})
-        super().__post_init__()
+    defaults (learning rate 2e-5, logging every 10 steps, gradient checkpointing on, bf16 unless fp16): each field
+    has the default of the class nearest in the MRO that declares it (ExtTrainingArguments.__init_subclass__)."""
 
 
 class ExtSFTTrainer(ExtTrainer, SFTTrainer):

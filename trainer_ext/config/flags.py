@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import sys
+import typing
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +92,31 @@ class ExtTrainingArguments(TrainingArguments):
                                         "SageMaker job, the folder synced with checkpoint_s3_uri)."}
     )
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # `class MyArgs(ExtTrainingArguments, SFTConfig)`: dataclass takes each field from the first base listing it,
+        # and this class lists every TrainingArguments field with transformers' default, so TRL's defaults (SFTConfig's
+        # learning rate 2e-5, logging_steps 10, bf16 None, ...) were lost in silence. Each field gets the default of the
+        # class nearest in the MRO that declares it, as Python's own attribute lookup would.
+        declared = cls.__dict__.get("__annotations__", {})
+        redeclared = {}  # name -> (the nearest declaring class, its Field)
+        for name in {f.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base)
+                     for f in dataclasses.fields(base)} - set(declared):
+            owner = next(base for base in cls.__mro__[1:] if name in base.__dict__.get("__annotations__", {}))
+            taken = next(base for base in cls.__mro__[1:] if name in getattr(base, "__dataclass_fields__", {}))
+            nearest = owner.__dataclass_fields__[name]
+            if nearest is not taken.__dataclass_fields__[name]:
+                redeclared[name] = (owner, nearest)
+        if redeclared:
+            # The type as its owner's module reads it (a string annotation would be read in the subclass's module).
+            cls.__annotations__ = {**{name: typing.get_type_hints(owner)[name] for name, (owner, _) in
+                                      redeclared.items()}, **declared}
+            for name, (_, nearest) in redeclared.items():
+                setattr(cls, name, dataclasses.field(
+                    default=nearest.default, default_factory=nearest.default_factory, init=nearest.init,
+                    repr=nearest.repr, hash=nearest.hash, compare=nearest.compare, metadata=nearest.metadata,
+                    kw_only=nearest.kw_only))
+
     def __new__(cls, *args, **kwargs):
         # __new__, not __init__: it sees the constructor's arguments in every dataclass subclass too (each generates
         # its own __init__), before __post_init__ resolves the DeepSpeed file against the flags.
@@ -99,6 +125,8 @@ class ExtTrainingArguments(TrainingArguments):
         return self
 
     def __post_init__(self):
+        if self.bf16 is None:  # TRL's configs default bf16 to None: on unless fp16, settled before any check reads it
+            write(self, {"bf16": not self.fp16})
         check_rank_variables()  # leftover WORLD_SIZE/RANK without a launcher: seconds, not a wait for peers forever
         write(self, prepare_sagemaker(self))  # in a SageMaker job: where the model and checkpoints go; nothing elsewhere
         # What this machine cannot change (trainer-ext ds-config runs the same), then the packages the flags need here.
