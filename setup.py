@@ -14,6 +14,8 @@ REMOTE = ["fsspec", "s3fs>=2024.1"]  # --checkpoint_uri s3://... (gcsfs / adlfs 
 BENCHMARKS = ["matplotlib"]  # benchmarks/backends.py draws its figure
 # LLM fine-tuning: LoRA adapters (peft) and TRL's SFTTrainer combined with ExtTrainer (trainer_ext.trl).
 LLM = ["peft>=0.17", "trl>=1.10"]
+# --use_liger_kernel: transformers patches the model with Liger's Triton kernels (a CUDA GPU); 0.3 is transformers' floor.
+LIGER = ["liger-kernel>=0.3"]
 SEARCH = ["optuna>=4", "matplotlib"]  # trainer-ext search: the study and its trial store; the plots
 # AWS's code inside the SageMaker PyTorch / Hugging Face training containers: tests/integration/test_sagemaker.py
 # runs jobs with it.
@@ -41,8 +43,9 @@ setup(
     package_dir={"trainer_ext.ds_configs": "ds_configs"},
     package_data={"trainer_ext.ds_configs": ["*.json"]},
     install_requires=[
-        # Admits the CPU wheel torch==2.13.0; install it first (see README) or pip pulls a CUDA build.
-        "torch>=2.1",
+        # Admits the CPU wheel torch==2.13.0; install it first (see README) or pip pulls a CUDA build. 2.6: transformers
+        # 5 disables PyTorch below it ("PyTorch >= 2.6 is required"), so an older torch could not train at all.
+        "torch>=2.6",
         # The floors are what `make test-oldest` passes on (constraints/oldest.txt). transformers 5.19: the private
         # Trainer methods ExtTrainer overrides exist from 5.3, resuming on CPU ranks works from 5.18, and
         # Trainer.loss_is_scaled_for_ga (a custom loss with accumulation) from 5.19. accelerate 1.3: transformers
@@ -62,6 +65,7 @@ setup(
         "search-postgres": SEARCH_POSTGRES,
         "sagemaker": SAGEMAKER,
         "llm": LLM,
+        "liger": LIGER,
         "peft": ["peft>=0.17"],
         "trl": ["trl>=1.10"],
         "test": TEST,
