@@ -21,7 +21,7 @@ from support.order import order_files
 from support.outputs import (assert_continues, assert_same_training, copy_checkpoint, logged, max_weight_difference,
                              scratch, weights)
 from support.processes import launched_report, rank_process, run, run_forked, run_many, selected
-from support.references import ACCUMULATE, PLAIN, STEPS, TINY_LLM, TRL, TRL_BACKENDS, SharedRuns
+from support.references import ACCUMULATE, PLAIN, STEPS, TINY, TINY_LLM, TRL, TRL_BACKENDS, SharedRuns
 from support import references
 from support.sample_order import ORDER_COMMON, RECORD_ORDER, loaded, train, uninterrupted_run
 from support.shared import SHARED_ENV, create_shared_dir, remove_shared_dir, said, shared_dir, shared_once
@@ -39,7 +39,7 @@ __all__ = [
     "TINY_COMMON",
     # support.outputs, support.references, support.sample_order
     "scratch", "logged", "weights", "max_weight_difference", "assert_same_training", "copy_checkpoint",
-    "assert_continues", "SharedRuns", "STEPS", "PLAIN", "ACCUMULATE", "TINY_LLM", "TRL", "TRL_BACKENDS",
+    "assert_continues", "SharedRuns", "STEPS", "PLAIN", "ACCUMULATE", "TINY", "TINY_LLM", "TRL", "TRL_BACKENDS",
     "RECORD_ORDER", "ORDER_COMMON", "train", "loaded",
     # support.models, support.examples, support.deepspeed_oracle
     "build_tiny_bert", "tiny_bert", "tiny_bart_config", "EXAMPLES", "example", "user_error", "write_lines",
@@ -128,6 +128,12 @@ def plain_runs():
 def accumulate_runs():
     """12 steps with accumulation 2 and clipping: single process, DDP and ZeRO-2 (support/references.py)."""
     return references.accumulate_runs()
+
+
+@pytest.fixture(scope="session")
+def tiny_runs():
+    """tests/scripts/tiny_train.py for 12 steps of 16 samples on one process (support/references.py)."""
+    return references.tiny_runs()
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,10 @@ commands:
 
 def ds_config(argv: list[str]) -> int:
     from .backends.deepspeed.backend import resolve_checked
+    from .config.batch import batch_fields
     from .config.checks import flag_problems
+    from .environment.launcher import launched_world_size
+    from .errors import UserError
     from .config.flags import ExtArgumentParser, ExtTrainingArguments
     from .deepspeed_config import DeepSpeedConfigError, explain
     from .config.settings import write
@@ -56,6 +59,10 @@ def ds_config(argv: list[str]) -> int:
                  if (value := getattr(args, name)) is not None and value < 1]
     if problems:
         parser.error("\n".join(problems))
+    try:  # --global_batch_size split over the target's ranks, as training splits it
+        write(args, batch_fields(args, args.world_size or launched_world_size(), None))
+    except UserError as err:
+        parser.error(str(err))
     try:
         resolution = resolve_checked(args, args.deepspeed or {}, world_size=args.world_size,
                                      num_training_steps=args.num_training_steps, hidden_size=args.hidden_size,

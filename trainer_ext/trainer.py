@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
@@ -20,6 +21,7 @@ from .training import progress
 from .backends import select_backend
 from .checkpoints.format import AUTO, newest_valid_checkpoint, read_data_state, read_loss_sum, resume_request
 from .data.loader import dataloader_with_batch_sampler, stream_dataloader
+from .config.batch import given_record
 from .data.samplers import ResumableBatchSampler, check_global_batch
 from .data.stream import TrainingStream, is_stream
 from .errors import UserError
@@ -32,6 +34,7 @@ from .checkpoints.preemption import Preempted, PreemptionCallback
 from .integrations import internals
 from .integrations.internals import PrivateTrainerHooks
 from .checkpoints.policy import RunCheckpoints, checkpoint_folder, weights_and_step
+from .checkpoints.restarts import RestartReport, failure, note_stop
 from .environment.sagemaker import save_final_model
 from .environment.prepare import prepare_process
 from .environment.launcher import check_process_group, release_at_exit
@@ -88,6 +91,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         # First: its on_save publishes the checkpoint that every later on_save expects in place.
         self.callback_handler.callbacks.insert(0, self.checkpoints)
         self.add_callback(TrainingHooks(self))
+        self.add_callback(RestartReport(self))  # what a restart continues from, and what it cost
         for callback in self.backend.callbacks(self):
             self.add_callback(callback)
         self.training_already_complete = None  # the checkpoint a re-run found complete (train() then trains nothing)
@@ -312,8 +316,14 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         return None if earlier is None else earlier + logged + unlogged.item()
 
     def training_order_state(self) -> dict | None:
-        """Where the training order stands after the current step (saved with each checkpoint)."""
-        return self._train_order.state_dict(self.state.global_step) if self._train_order is not None else None
+        """Where the training order stands after the current step (saved with each checkpoint), with the batch the
+        command gave, so that its next start on another world size keeps the global batch (config/batch.py)."""
+        if self._train_order is None:
+            return None
+        batch = getattr(self.args, "global_batch", None)
+        given = batch.record() if batch is not None else given_record(self.args.per_device_train_batch_size,
+                                                                       self.args.gradient_accumulation_steps)
+        return {**self._train_order.state_dict(self.state.global_step), "batch_given": given}
 
     # -- backend hooks ---------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -408,11 +418,17 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             with weights_and_step(Path(checkpoint)) if checkpoint and self._resume["weights_only"] else \
                     nullcontext(checkpoint) as resumed:
                 result = super().train(resume_from_checkpoint=str(resumed) if resumed else None, **kwargs)
+        except Exception as error:
+            if self.state.global_step > 0:  # a rank that outlives a lost peer says where the group had got to
+                note_stop(self, failure(error))
+            raise
         finally:
             self.preemption.uninstall()
             self.checkpoints.wait()  # a preempted run's last checkpoint too
         if self.preemption.signum:
             saved = newest_valid_checkpoint(checkpoint_folder(self.args))
+            if self.args.should_save:
+                note_stop(self, f"stopped on {signal.Signals(self.preemption.signum).name}")
             logger.warning("preempted: checkpoint %s written; run the same command again to resume", saved)
             raise Preempted(self.preemption.signum, saved)
         if self.search_trial is not None:

@@ -13,10 +13,11 @@ from conftest import PYTHON, REPO, run_many
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
 
 # stock TrainingArguments: the complete DeepSpeed config replaces the file's path (transformers reads it); FSDP on one
-# process hides --fsdp from transformers' "only distributed" check (the settings select the backend).
-STOCK = {"ddp": {"changed": [], "added": []},
-         "zero2": {"changed": ["deepspeed"], "added": ["deepspeed_resolution"]},
-         "fsdp": {"changed": [], "added": ["fsdp_settings"]}}
+# process hides --fsdp from transformers' "only distributed" check (the settings select the backend); the global batch
+# is settled for this start's ranks (config/batch.py: here the command's own, no field changed).
+STOCK = {"ddp": {"changed": [], "added": ["global_batch"]},
+         "zero2": {"changed": ["deepspeed"], "added": ["deepspeed_resolution", "global_batch"]},
+         "fsdp": {"changed": [], "added": ["fsdp_settings", "global_batch"]}}
 
 
 def test_building_ext_trainer_changes_no_field_of_parsed_arguments(tmp_path):

@@ -6,34 +6,32 @@ import json
 
 import pytest
 
-from conftest import BIN, PYTHON, TINY_TRAIN, free_port, run, scratch
+from conftest import BIN, PYTHON, TINY, TINY_TRAIN, free_port, run
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
 
 # 12 steps of 16 samples (2 accumulated micro-batches); logging every 5 steps leaves steps 11-12 unlogged.
-COMMON = ["--max_steps", 12, "--gradient_accumulation_steps", 2, "--learning_rate", "1e-3", "--report_to", "none",
-          "--save_strategy", "no", "--disable_tqdm", "true", "--seed", 3]
+COMMON = [*TINY, "--gradient_accumulation_steps", 2, "--report_to", "none", "--disable_tqdm", "true"]
 LAUNCHERS = {
-    "single": [PYTHON],
     "ddp": [BIN / "torchrun", "--nproc_per_node", 2, "--master_port", "{port}"],
     "zero2": [BIN / "deepspeed", "--num_gpus", 2, "--master_port", "{port}"],
     "simple": [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", 2, "--master_port", "{port}"],
 }
-BACKEND_FLAGS = {"single": [], "ddp": [], "zero2": ["--deepspeed", "zero2_minimal"], "simple": ["--sharded_ddp", "simple"]}
+BACKEND_FLAGS = {"ddp": [], "zero2": ["--deepspeed", "zero2_minimal"], "simple": ["--sharded_ddp", "simple"]}
 
 
 def train_loss(output_dir, backend, *flags):
     launcher = [str(free_port()) if part == "{port}" else part for part in LAUNCHERS[backend]]
-    per_device = 8 if backend == "single" else 4
-    out = run([*launcher, TINY_TRAIN, "--output_dir", output_dir, "--per_device_train_batch_size", per_device, *COMMON,
+    out = run([*launcher, TINY_TRAIN, "--output_dir", output_dir, "--per_device_train_batch_size", 4, *COMMON,
                *BACKEND_FLAGS[backend], *flags])
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads((output_dir / "train_results.json").read_text())["train_loss"]
 
 
 @pytest.fixture(scope="module")
-def single(request):
-    return train_loss(scratch(request, "single"), "single", "--logging_steps", 5)
+def single(tiny_runs):
+    """The same 12 steps on one process (the session's shared run, logging every step)."""
+    return json.loads((tiny_runs / "single" / "train_results.json").read_text())["train_loss"]
 
 
 # The three launcher runs of `make test-oldest`: torchrun (DDP), deepspeed (ZeRO-2), torch.distributed.launch (simple).

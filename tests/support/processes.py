@@ -1,8 +1,8 @@
 """Real processes started by the tests: run() starts one in its own process group (the whole group killed on
 timeout), checks the test's markers first and records its seconds in the session's shared folder; run_many runs
 short ones two at a time, run_forked runs commands that end at parsing as forked copies of one process that loaded
-them; rank_process finds one rank among a launcher's children; launched_report is the end-of-run summary of what
-was launched, per file, from every worker."""
+them; Started holds processes a test acts on while they run; rank_process finds one rank among a launcher's
+children; launched_report is the end-of-run summary of what was launched, per file, from every worker."""
 
 import json
 import os
@@ -43,6 +43,67 @@ def run(cmd, timeout=600, env=None, cwd=REPO):
         clear_stale_build_locks(min_age_s=0)  # a rank killed while loading a DeepSpeed op must not hang the rest
         raise subprocess.TimeoutExpired(args, timeout, output=stdout, stderr=stderr) from None
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+
+
+class Started:
+    """Processes a test acts on while they run (the elastic tests' nodes): each in its own process group (run()'s
+    marker check first), its output into a log file; `wait` ends them all, killing every one on timeout, and so does
+    leaving `with Started(folder) as processes:`."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.processes = Path(folder), {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()  # a test that failed half-way leaves nothing running
+
+    def start(self, name: str, cmd, env=None) -> subprocess.Popen:
+        args = [str(c) for c in cmd]
+        check_markers(args)
+        full_env = clean_env()
+        full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+        with open(self.folder / f"{name}.log", "w") as log:
+            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=REPO,
+                                       start_new_session=True)
+        self.processes[name] = (process, time.time())
+        return process
+
+    def log(self, name: str) -> str:
+        return (self.folder / f"{name}.log").read_text()
+
+    def wait(self, timeout: float) -> dict:
+        """{name: exit status} once every process ended; on timeout all are killed and the test fails with logs."""
+        deadline = time.time() + timeout
+        try:
+            for process, _ in self.processes.values():
+                process.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError("timed out:\n" + "\n".join(f"--- {name}\n{self.log(name)[-3000:]}"
+                                                              for name in self.processes)) from None
+        with open(shared_dir() / f"launched-{os.getpid()}.jsonl", "a") as record:
+            for process, started in self.processes.values():
+                record.write(json.dumps([os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0],
+                                         time.time() - started]) + "\n")
+        return {name: process.returncode for name, (process, _) in self.processes.items()}
+
+    def kill(self) -> None:
+        """Every process and its descendants (torchrun starts its workers in sessions of their own)."""
+        import psutil
+
+        for process, _ in self.processes.values():
+            try:
+                family = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+            except psutil.Error:
+                family = []
+            for member in family:
+                try:
+                    member.kill()
+                except psutil.Error:
+                    pass
+            process.wait()
 
 
 def run_many(commands: dict, jobs: int = 2, **kwargs) -> dict:

@@ -1,5 +1,6 @@
 """The session-wide reference runs the backend tests compare against: examples/run_glue.py's plain and accumulating
-runs (single process, DDP, ZeRO-2) and TRL's SFTTrainer on the tiny Llama, each launched when a test first reads it
+runs (single process, DDP, ZeRO-2), tests/scripts/tiny_train.py's BERT on one process, and TRL's SFTTrainer on the
+tiny Llama, each launched when a test first reads it
 and once across the xdist workers (in the session's shared folder, under a lock); conftest.py's session fixtures
 return these tables."""
 
@@ -8,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from .environment import REPO
-from .launches import GLUE, launch
+from .launches import GLUE, TINY_TRAIN, launch
 from .shared import shared_once
 
 # Shared runs of examples/run_glue.py (session-wide: the backend tests compare against the same single-process runs).
@@ -18,6 +19,9 @@ PLAIN = ["--do_train", "--do_eval", "--do_predict", "--max_steps", STEPS, "--max
 # 12 steps, accumulation 2, clipping that bites (grad norms reach ~1.4), linear warmup over 5 steps.
 ACCUMULATE = ["--do_train", "--max_steps", "12", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5",
               "--warmup_steps", "5", "--learning_rate", "1e-4"]
+
+# tests/scripts/tiny_train.py (a tiny BERT from a config on seeded ids): 12 steps of 16 samples, every step logged.
+TINY = ["--max_steps", 12, "--learning_rate", "1e-3", "--save_strategy", "no", "--seed", 3]
 
 # tests/scripts/tiny_llm.py: a tiny Llama (GQA, SwiGLU, untied embeddings) fine-tuned on seeded chat-like samples of
 # 10-49 tokens, completion-only labels, fp32. TRL's SFTTrainer: stock (--stock) or combined with ExtTrainer.
@@ -79,6 +83,13 @@ def accumulate_runs() -> SharedRuns:
         "zero2": ["deepspeed", *ACCUMULATE, "--per_device_train_batch_size", 4, "--deepspeed", "zero2_minimal",
                   "--save_strategy", "steps", "--save_steps", 3],
     })
+
+
+def tiny_runs() -> SharedRuns:
+    """tiny_train.py on one process (8 x 2 accumulated): test_train_loss.py's final train_loss, test_elastic.py's
+    uninterrupted run."""
+    return SharedRuns("tiny", {"single": ["single", *TINY, "--per_device_train_batch_size", 8,
+                                          "--gradient_accumulation_steps", 2]}, script=TINY_TRAIN)
 
 
 def trl_runs() -> SharedRuns:

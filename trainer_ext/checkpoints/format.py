@@ -43,6 +43,11 @@ class CheckpointNotFoundError(CheckpointError, UserFileNotFoundError):
     """The checkpoint the user named is not there, or resuming was asked for and there is none."""
 
 
+def checkpoint_folder(args) -> str:
+    """Where a run writes and resumes its checkpoints: --checkpoint_dir (set for a SageMaker job), else output_dir."""
+    return getattr(args, "checkpoint_dir", None) or args.output_dir
+
+
 def checkpoint_step(path: Path) -> int | None:
     match = _CHECKPOINT.match(Path(path).name)
     return int(match.group(1)) if match else None

@@ -15,18 +15,14 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from .format import (AUTO, DATA_STATE, FRESH, LOSS_STATE, MARKER, NEWEST, CheckpointError, CheckpointNotFoundError,
-                         check_compatible, damage, newest_valid_checkpoint, problem_with, publish, read_loss_sum,
-                         relaid_weights, resume_request, rotate, staging_dir, valid_checkpoints)
+                         check_compatible, checkpoint_folder, damage, newest_valid_checkpoint, problem_with, publish,
+                         read_loss_sum, relaid_weights, resume_request, rotate, staging_dir, valid_checkpoints)
+from .restarts import saved_for
 from ..backends import backend_classes
 from ..integrations import internals
 from ..environment.sagemaker import checkpoints_to_keep
 
 logger = logging.getLogger(__name__)
-
-
-def checkpoint_folder(args) -> str:
-    """Where a run writes and resumes its checkpoints: --checkpoint_dir (set for a SageMaker job), else output_dir."""
-    return getattr(args, "checkpoint_dir", None) or args.output_dir
 
 
 class RunCheckpoints(TrainerCallback):
@@ -309,7 +305,8 @@ class RunCheckpoints(TrainerCallback):
                                           "backend": trainer.backend.settings().description,
                                           "backend_name": trainer.backend.name,
                                           "optimizer": optimizer_record(trainer),
-                                          "model": trainer.backend.fingerprint(module)})
+                                          "model": trainer.backend.fingerprint(module),
+                                          "saved_for": saved_for(trainer)})
         deleted = rotate(run_dir, checkpoints_to_keep(self.args.save_total_limit),
                          keep=Path(state.best_model_checkpoint) if state.best_model_checkpoint else None)
         if self.remote is not None:  # in the background: the next step does not wait for the copy

@@ -21,9 +21,11 @@ from ..backends import backend_class
 from ..backends.fairscale import OPTIONS as SHARDED_DDP_OPTIONS
 from ..checkpoints.format import CheckpointNotFoundError
 from ..errors import ArgumentsError, UserError, closest, debugging, main_process
-from ..environment.launcher import check_fp16_device, check_rank_variables, prepare_cpu_ranks
+from ..checkpoints.restarts import resumed_order_state
+from ..environment.launcher import check_fp16_device, check_rank_variables, launched_world_size, prepare_cpu_ranks
 from ..environment.sagemaker import prepare_arguments as prepare_sagemaker
 from ..environment.sagemaker import spread_lists
+from .batch import batch_fields
 from .checks import (FP16_BACKENDS, FP16_OPT_LEVELS, flag_problems, package_problems, read_text_flags,
                      shown_storage_options)
 from .settings import write
@@ -91,6 +93,13 @@ class ExtTrainingArguments(TrainingArguments):
         default=None, metadata={"help": "Write checkpoints here and resume from here (default: output_dir; in a "
                                         "SageMaker job, the folder synced with checkpoint_s3_uri)."}
     )
+    global_batch_size: int | None = field(
+        default=None, metadata={"help": "Samples per optimizer step whatever the number of ranks: each start derives "
+                                        "--gradient_accumulation_steps from it (lowering the per-device batch only "
+                                        "where the accumulation would not be whole). Unset: per-device batch x "
+                                        "accumulation x ranks, and a resumed run keeps the global batch it trained "
+                                        "with on another number of ranks."}
+    )
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -133,6 +142,9 @@ class ExtTrainingArguments(TrainingArguments):
         if problems := flag_problems(self) + package_problems(self):
             raise ArgumentsError("\n".join(problems))
         write(self, read_text_flags(self))
+        # The global batch over this start's ranks (--global_batch_size, or the resumed run's), before DeepSpeed's
+        # translator, transformers and accelerate read the per-device batch and accumulation.
+        write(self, batch_fields(self, launched_world_size(), resumed_order_state(self)))
         # The selected backend's settings (DeepSpeed: the config resolved against these flags, as deepspeed_resolution).
         write(self, {"deepspeed_resolution": None, **backend_class(self).prepare_arguments(self)})
         if missing := backend_class(self).missing_library(self):  # before transformers or accelerate import it

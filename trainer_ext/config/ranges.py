@@ -38,6 +38,8 @@ TRAINING_RANGES = {
     "max_steps": (lambda v: v == -1 or v > 0, "must be a positive number of steps, or -1 to train "
                                               "--num_train_epochs (transformers would ignore it)"),
     "num_train_epochs": (lambda v: v >= 0, "must be >= 0"),
+    "global_batch_size": (lambda v: v >= 1, "must be a positive number of samples per optimizer step (leave it unset "
+                                            "for per-device batch x accumulation x ranks)"),
     "eval_delay": (lambda v: v >= 0, "must be >= 0 (steps or epochs before the first evaluation)"),
     "label_smoothing_factor": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "dataloader_num_workers": (lambda v: v >= 0, "must be >= 0 (0: load in the main process)"),

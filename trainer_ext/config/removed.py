@@ -44,7 +44,8 @@ OTHER_SPELLINGS = {
     "lr": "use --learning_rate",
     "batch_size": "use --per_device_train_batch_size (per device; the global batch multiplies it by the ranks and "
                   "--gradient_accumulation_steps)",
-    "train_batch_size": "use --per_device_train_batch_size",
+    "train_batch_size": "use --per_device_train_batch_size (per device), or --global_batch_size (samples per optimizer "
+                        "step on any number of ranks)",
     "eval_batch_size": "use --per_device_eval_batch_size",
     "epochs": "use --num_train_epochs",
     "num_epochs": "use --num_train_epochs",

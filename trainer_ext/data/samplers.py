@@ -109,7 +109,8 @@ class ResumableBatchSampler(torch.utils.data.Sampler):
                 f"the global batch changed from {state['global_batch_size']} to {self.global_batch_size} (per-device "
                 "batch x accumulation x world size): training continues at sample "
                 f"{state['samples_consumed']} of the same order, none repeated or dropped; from here on steps, "
-                "epochs and the learning-rate schedule count batches of the new size")
+                "epochs and the learning-rate schedule count batches of the new size (--global_batch_size "
+                f"{state['global_batch_size']} keeps the old one on any number of ranks)")
         return warnings
 
 

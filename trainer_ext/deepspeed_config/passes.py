@@ -297,6 +297,9 @@ def batch(config: dict, sources: dict[str, Source], run: Run) -> Draft:
     """Micro batch and accumulation from the flags, train_batch_size their product with the world size; a file giving
     only train_batch_size has the field the user left at its default derived from it, as DeepSpeed does."""
     draft = Draft.of(config, sources)
+    kept = flag_value(run.args, "global_batch")  # config/batch.py's split, when it keeps a global batch
+    if kept is not None and kept.kept_from:
+        return _kept_batch(draft, kept)
     micro = _batch_field(draft, run, "train_micro_batch_size_per_gpu")
     accumulation = _batch_field(draft, run, "gradient_accumulation_steps")
     if draft.problems:
@@ -326,6 +329,27 @@ def batch(config: dict, sources: dict[str, Source], run: Run) -> Draft:
         draft.flags["gradient_accumulation_steps"] = total // (micro * world)
         return draft
     draft.problems.append(_batch_problem(draft, total, micro, accumulation, world))
+    return draft
+
+
+def _kept_batch(draft: Draft, kept) -> Draft:
+    """A global batch kept on this world size (--global_batch_size, or the resumed run's on another number of ranks):
+    config/batch.py split it before this pass, as it does for every backend; a file that pins another split cannot
+    keep it."""
+    wanted = {"train_micro_batch_size_per_gpu": kept.per_device, "gradient_accumulation_steps": kept.accumulation,
+              "train_batch_size": kept.size}
+    pinned = [f"{path}={json.dumps(value)}" for path, want in wanted.items()
+              if (value := get_field(draft.config, path)) not in (None, AUTO) and value != want]
+    if pinned:
+        draft.problems.append(
+            f"{', '.join(pinned)} in the file cannot keep the global batch of {kept.size} ({kept.kept_from}) on "
+            f"{kept.world_size} rank(s), which trains {kept.per_device} per device x {kept.accumulation} accumulation: "
+            f"set {'them' if len(pinned) > 1 else 'it'} to \"auto\" in the file")
+        return draft
+    source = Source(DERIVED, f" (global batch {kept.size}, {kept.kept_from}, on {kept.world_size} rank(s))",
+                    for_world_size=kept.world_size)
+    for path, value in wanted.items():
+        draft.fill(path, value, source)
     return draft
 
 

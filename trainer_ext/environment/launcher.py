@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import weakref
 
 from ..errors import ArgumentsError, UserError
@@ -194,3 +195,53 @@ def check_fp16_device(fp16: bool, cuda_available: bool, from_deepspeed_file: boo
             "fp16 needs a CUDA device and this machine has none: use --bf16 (or fp32) on CPU"
             + (" — fp16 comes from the DeepSpeed file's fp16.enabled: set it to \"auto\" (or use "
                "--deepspeed zero2_minimal)" if from_deepspeed_file else ""))
+
+
+# -- elastic launches (torchrun's agent and rendezvous) ------------------------------------------------------------
+def elastic_restarts() -> tuple[int, int] | None:
+    """(restarts so far, restarts allowed) of the torchrun agent that started this worker (its
+    TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS; a group growing for a joining node is not counted);
+    None outside an elastic agent."""
+    count, most = (os.environ.get(key, "").strip() for key in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"))
+    return (int(count), int(most)) if count.isdigit() and most.isdigit() else None
+
+
+def signal_when_the_agent_dies() -> bool:
+    """A worker of torchrun's agent (torch.distributed.launch and accelerate launch run the same agent) gets SIGTERM
+    when that agent dies (kill -9 of it, an OOM kill): it then checkpoints and stops with its group, as on a
+    scheduler's signal, and the other nodes' agents restart on the ranks left, instead of training on unsupervised
+    where no restart reaches it. Linux only (prctl); True when set."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import signal
+
+    set_parent_death_signal = 1  # PR_SET_PDEATHSIG
+    return ctypes.CDLL(None, use_errno=True).prctl(set_parent_death_signal, int(signal.SIGTERM), 0, 0, 0) == 0
+
+
+def bound_collective_waits(args) -> None:
+    """--ddp_timeout (transformers' default: 1800 s) bounds every collective of the process group, so a rank whose peer
+    vanished without closing its connections (a node's power or network lost) fails after it, and its agent restarts
+    the group, instead of waiting forever. transformers hands it to the group on GPUs; the gloo group of CPU ranks kept
+    torch's 30 minutes."""
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and cpu_ranks(args):
+        internals.set_process_group_timeout(args.ddp_timeout)
+
+
+def rendezvous_store_problem() -> str | None:
+    """torch 2.13's c10d rendezvous shares its first round's store (TORCHELASTIC_USE_AGENT_STORE) and publishes rank 0's
+    address only in that round: a node that joins a later round (a new node, a node's agent restarted by its scheduler)
+    waits 60 s for it, and the group fails. A multi-node job torchrun may restart is told once; None otherwise (one
+    node, the static rendezvous of --master_addr, no restarts, or the variable set)."""
+    restarts = elastic_restarts()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not restarts or restarts[1] == 0:
+        return None
+    if os.environ.get("TORCHELASTIC_RUN_ID", "none") in ("none", "") or launched_world_size() <= local_ranks():
+        return None
+    return ("torchrun restarts this job (--max-restarts) with the rendezvous store of its first round, whose address "
+            "torch 2.13 does not publish again: a node joining later waits 60 s and the group fails; set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every node's torchrun (docs/operations.md, Elastic and "
+            "preemptible clusters)")

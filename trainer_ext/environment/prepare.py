@@ -4,14 +4,20 @@ they load a model; a second call changes nothing."""
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 from ..backends import Backend, backend_class
 from ..backends.deepspeed.ops import import_deepspeed_quietly
+from ..checkpoints.restarts import resumed_order_state
+from ..config.batch import batch_fields
 from ..config.settings import write
-from .launcher import cpu_ranks, form_one_rank_group, share_cores_between_cpu_ranks
+from .launcher import (bound_collective_waits, cpu_ranks, form_one_rank_group, launched_world_size,
+                       rendezvous_store_problem, share_cores_between_cpu_ranks, signal_when_the_agent_dies)
 from .sagemaker import prepare_arguments as prepare_sagemaker_arguments
 from .sagemaker import prepare_environment as prepare_sagemaker_environment
+
+logger = logging.getLogger(__name__)
 
 _PREPARED: list[weakref.ref] = []  # the arguments this process is set up for (dataclasses with eq are unhashable)
 
@@ -20,10 +26,11 @@ def prepare_process(args) -> None:
     """What training with `args` needs of this process, in one place: a SageMaker job's TensorBoard folder (and its
     model and checkpoint folders on stock TrainingArguments), each CPU rank's share of the cores, a 1-rank process
     group when no launcher started a backend that needs one, DeepSpeed imported where installed (as accelerate would,
-    without its warning or variables), stock TrainingArguments resolved as parsing resolves ExtTrainingArguments, the
-    selected backend's own set-up (DeepSpeed: DS_ACCELERATOR on a machine without a GPU, stale leftovers removed,
-    TORCH_CUDA_ARCH_LIST made readable, the group joined under ZeRO-3), and --checkpoint_uri taking a write (main
-    process: one probe object, then deleted) before any model is loaded."""
+    without its warning or variables), stock TrainingArguments resolved as parsing resolves ExtTrainingArguments (the
+    global batch over this start's ranks first), the selected backend's own set-up (DeepSpeed: DS_ACCELERATOR on a
+    machine without a GPU, stale leftovers removed, TORCH_CUDA_ARCH_LIST made readable, the group joined under ZeRO-3),
+    --ddp_timeout bounding the group's collectives on CPU ranks too, a torchrun worker stopping with its agent, and
+    --checkpoint_uri taking a write (main process: one probe object, then deleted) before any model is loaded."""
     if args is None or any(ref() is args for ref in _PREPARED):
         return  # the recipes, sharded_loading and ExtTrainer each call it: the work is done once
     write(args, prepare_sagemaker_arguments(args))  # ExtTrainingArguments did when built; stock TrainingArguments not
@@ -34,8 +41,14 @@ def prepare_process(args) -> None:
     backend = backend_class(args)
     if backend.needs_process_group:
         form_one_rank_group(args)
+    if getattr(args, "global_batch", None) is None:  # stock TrainingArguments: the global batch as parsing settles it
+        write(args, batch_fields(args, launched_world_size(), resumed_order_state(args)))
     write(args, backend.arguments_for_training(args))  # stock TrainingArguments resolved as parsing would have
     backend.prepare_process(args)
+    bound_collective_waits(args)  # a peer's node lost: the collectives fail after --ddp_timeout, then a restart
+    signal_when_the_agent_dies()  # a torchrun worker whose agent is killed checkpoints and stops with its group
+    if (problem := rendezvous_store_problem()) and args.process_index == 0:
+        logger.warning(problem)
     check_checkpoint_uri(args)
     try:
         _PREPARED[:] = [ref for ref in _PREPARED if ref() is not None] + [weakref.ref(args)]

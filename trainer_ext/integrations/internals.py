@@ -87,6 +87,7 @@ UPSTREAM = (
     ("torch.nn.Module", "_non_persistent_buffers_set", "attribute"),
     ("torch.nn.Module", "_is_fsdp_managed_module", "written"),
     ("torch.nn.Module", "_orig_mod", "attribute"),
+    ("torch.distributed.distributed_c10d", "_set_pg_timeout", "method"),
     ("torch._C", "DisableTorchFunctionSubclass", "method"),
     ("deepspeed.runtime.config.DeepSpeedConfig", "_initialize_params", "method"),
     ("datasets.IterableDataset", "_ex_iterable", "attribute"),
@@ -271,3 +272,15 @@ def optuna_heartbeat_thread(trial_id: int, storage):
     from optuna.storages._heartbeat import get_heartbeat_thread
 
     return get_heartbeat_thread(trial_id, storage)
+
+
+# -- torch.distributed -------------------------------------------------------------------------------------------
+def set_process_group_timeout(seconds: float) -> None:
+    """The default process group's collectives fail after `seconds` (torch's own setter: the public
+    init_process_group takes a timeout only when the group is formed, and transformers does not pass --ddp_timeout to
+    the gloo group of CPU ranks)."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))

@@ -4,15 +4,25 @@ preemption tests' signal then lands at the same step of every run, however fast 
 line. The process handles it as one a scheduler sent (the same handler, the same checkpoint). transformers is patched
 only when something imports it: launchers and other processes are untouched.
 
-"STEP:RANK:SIGNAL:outer" sends SIGNAL to the process group of the process that started this one's session instead
-(a search trial's session is led by its guard: the search), then waits for the SIGTERM that the search's death brings
-the trial (this callback runs before ExtTrainer's), so every rank's preemption checkpoint is STEP's on every run."""
+"STEP:RANK:SIGNAL:TARGET[:RESTART]" chooses whom the signal reaches instead (RANK "*": any rank; RESTART: only in the
+worker a torchrun agent started after that many restarts, TORCHELASTIC_RESTART_COUNT); several comma-separated specs
+each act on their own:
+- "outer": the process group of the process that started this one's session (a search trial's session is led by its
+  guard: the search), then wait for the SIGTERM that the search's death brings the trial;
+- "agent": the torchrun agent that started this worker (a scheduler stopping a node), then wait for the SIGTERM the
+  agent forwards;
+- "node": the agent and this worker together (SIGKILL: the node is lost, nothing of it runs on);
+- "hold": no signal sent: write `<output_dir>.held-STEP` and wait for SIGNAL to reach this worker (the agent stopping
+  it because another node joins), so the elastic tests start the joining node at a known step.
+The callback runs before ExtTrainer's own (it is added while transformers' Trainer is built), so every waiting
+target's preemption checkpoint is STEP's on every run."""
 import importlib.abc
 import importlib.util
 import os
 import sys
 
 SPEC = os.environ.get("TRAINER_EXT_TEST_SIGNAL")
+WAITING_S = 120  # the most a waiting target waits for its signal
 
 
 def install(trainer_class):
@@ -20,15 +30,28 @@ def install(trainer_class):
 
     from transformers import TrainerCallback
 
-    step, rank, name, *target = SPEC.split(":")
+    specs = [entry.split(":") for entry in SPEC.split(",")]
 
     class SignalAtStep(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == int(step) and int(os.environ.get("RANK", "0")) == int(rank):
-                if target == ["outer"]:
-                    signal_outer(getattr(signal, name))
+            for step, rank, name, *rest in specs:
+                target, restart = (rest[0] if rest else "self"), (rest[1] if len(rest) > 1 else None)
+                if state.global_step != int(step) or rank not in ("*", os.environ.get("RANK", "0")):
+                    continue
+                if restart is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != restart:
+                    continue
+                signum = getattr(signal, name)
+                if target == "outer":
+                    wait_for(signal.SIGTERM, lambda: os.killpg(os.getpgid(session_starter()), signum))
+                elif target == "agent":
+                    wait_for(signal.SIGTERM, lambda: os.kill(os.getppid(), signum))
+                elif target == "node":
+                    os.kill(os.getppid(), signum)
+                    os.kill(os.getpid(), signum)
+                elif target == "hold":
+                    wait_for(signum, lambda: open(f"{args.output_dir}.held-{step}", "w").close())
                 else:
-                    os.kill(os.getpid(), getattr(signal, name))
+                    os.kill(os.getpid(), signum)
 
     built = trainer_class.__init__
 
@@ -39,25 +62,28 @@ def install(trainer_class):
     trainer_class.__init__ = __init__
 
 
-def signal_outer(signum):
-    """`signum` to the process group of whoever started this session's leader; returns after this process got its
-    SIGTERM (handled by the handler it had), or after 60 s."""
+def session_starter() -> int:
+    """The process that started this session's leader."""
+    with open(f"/proc/{os.getsid(0)}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])  # "pid (name) state ppid ..."
+
+
+def wait_for(signum, act):
+    """`act()`, then return once this process got `signum` (handled by the handler it had), or after WAITING_S."""
     import signal
     import time
 
-    with open(f"/proc/{os.getsid(0)}/stat") as stat:
-        starter = int(stat.read().rsplit(")", 1)[1].split()[1])  # "pid (name) state ppid ..."
-    got, previous = [], signal.getsignal(signal.SIGTERM)
+    got, previous = [], signal.getsignal(signum)
 
     def note(number, frame):
         got.append(number)
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signum, previous)
         if callable(previous):
             previous(number, frame)
 
-    signal.signal(signal.SIGTERM, note)
-    os.killpg(os.getpgid(starter), signum)
-    deadline = time.monotonic() + 60
+    signal.signal(signum, note)
+    act()
+    deadline = time.monotonic() + WAITING_S
     while not got and time.monotonic() < deadline:
         time.sleep(0.01)
 
