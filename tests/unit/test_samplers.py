@@ -105,3 +105,16 @@ def test_iteration_yields_the_epoch_set_by_set_epoch():
     assert list(sampler) != first
     sampler.set_epoch(0)
     assert list(sampler) == first == [sampler.micro_batch(0, k) for k in range(5)]
+
+
+def test_each_pass_is_the_permutation_its_seed_and_pass_number_give():
+    """The order is part of a checkpoint's meaning: a resume (even by a later release) must compute the same
+    permutation, torch.randperm seeded with seed + pass, for every pass."""
+    import torch
+
+    sampler = ResumableBatchSampler(37, 4, seed=5)
+    for data_pass in (0, 1, 2, 0):
+        expected = torch.randperm(37, generator=torch.Generator().manual_seed(5 + data_pass)).tolist()
+        assert sampler.data_order(data_pass) == expected
+    assert sampler.global_batch_size == 4 and ResumableBatchSampler(37, 4, world_size=2,
+                                                                    gradient_accumulation_steps=3).global_batch_size == 24
