@@ -178,9 +178,11 @@ def test_another_models_checkpoint_is_refused_naming_both(tmp_path):
     checkpoint = saved(tmp_path, 5, model={"model_class": "GPT2LMHeadModel", "num_parameters": 124439808})
     check_compatible(checkpoint, {"model_class": "GPT2LMHeadModel", "num_parameters": 124439808, "new": 1})
     check_compatible(checkpoint, None)
+    check_compatible(saved(tmp_path, 6), {"model_class": "GPT2LMHeadModel"})  # a marker without a model: nothing to say
+    check_compatible(tmp_path / "checkpoint-7", {"model_class": "GPT2LMHeadModel"})  # no marker: a stock checkpoint
     with pytest.raises(CheckpointError) as refused:
-        check_compatible(checkpoint, {"model_class": "BertForSequenceClassification", "num_parameters": 124439808})
+        check_compatible(checkpoint, {"model_class": "BertForSequenceClassification", "num_parameters": 4386})
     assert str(refused.value) == (
         f"checkpoint {checkpoint} was written by a different model (model_class: checkpoint 'GPT2LMHeadModel', this "
-        "run 'BertForSequenceClassification'): resume with the model that wrote it, or pass --fresh_start (or another "
-        "--output_dir) to start over; nothing was overwritten")
+        "run 'BertForSequenceClassification'; num_parameters: checkpoint 124439808, this run 4386): resume with the "
+        "model that wrote it, or pass --fresh_start (or another --output_dir) to start over; nothing was overwritten")

@@ -156,9 +156,11 @@ def test_per_sample_labels_leave_the_evaluation_loss_to_transformers():
 
 def test_sliced_keeps_the_first_samples_of_every_batch_tensor():
     """The padded batch's real samples: tensors of the batch's size are cut, anything else is kept as is."""
-    batch = {"labels": LABELS, "input_ids": LABELS + 1, "scalar": torch.tensor(3), "other": torch.zeros(5), "n": 2}
+    batch = {"labels": LABELS, "input_ids": LABELS + 1, "scalar": torch.tensor(3), "other": torch.zeros(5), "n": 2,
+             "classes": torch.tensor([4, 5])}
     cut = sliced(batch, 1, 2)
     assert cut["labels"].tolist() == [LABELS[0].tolist()] and cut["input_ids"].shape == (1, 5)
+    assert cut["classes"].tolist() == [4]
     assert cut["scalar"] is batch["scalar"] and cut["other"] is batch["other"] and cut["n"] == 2
 
 

@@ -69,3 +69,28 @@ def test_a_signal_to_this_process_is_recorded_and_the_handlers_put_back(monkeypa
     callback.uninstall()
     assert callback.received == 0 and step_end(callback) == (False, False)
     assert Preempted(signal.SIGTERM, None).code == 143
+
+
+def test_a_second_ctrl_c_from_a_person_aborts_and_a_forwarded_one_does_not(monkeypatch):
+    """Ctrl-C reaches the ranks twice within ABORT_AFTER_S (the terminal's process group and the launcher forwarding
+    it): still one preemption. A second SIGINT later is a person who means it: the handlers go and the signal is
+    raised again at once; a later SIGTERM is not."""
+    from trainer_ext.checkpoints import preemption
+
+    raised, clock = [], [100.0]
+    monkeypatch.setattr(preemption.signal, "raise_signal", raised.append)
+    monkeypatch.setattr(preemption.time, "monotonic", lambda: clock[0])
+    callback = PreemptionCallback()
+    callback.install()
+    try:
+        callback._handle(signal.SIGINT, None)
+        clock[0] += preemption.ABORT_AFTER_S / 2
+        callback._handle(signal.SIGINT, None)
+        clock[0] += preemption.ABORT_AFTER_S
+        callback._handle(signal.SIGTERM, None)
+        assert raised == [] and callback.received == signal.SIGINT
+        assert signal.getsignal(signal.SIGINT) == callback._handle
+        callback._handle(signal.SIGINT, None)
+        assert raised == [signal.SIGINT] and signal.getsignal(signal.SIGINT) != callback._handle
+    finally:
+        callback.uninstall()
