@@ -121,9 +121,22 @@ def test_rotation_deletes_the_oldest_by_step_and_never_the_only_valid_one_nor_th
     deleted = rotate(tmp_path, limit=2, keep=tmp_path / "checkpoint-10")
     assert names(deleted) == ["checkpoint-9", "checkpoint-100"]  # the best (10) and the newest (1000) stay
     assert names(valid_checkpoints(tmp_path)) == ["checkpoint-10", "checkpoint-1000"]
-    assert names(rotate(tmp_path, limit=1)) == ["checkpoint-10"]
-    assert names(valid_checkpoints(tmp_path)) == ["checkpoint-1000"]
-    assert rotate(tmp_path, limit=1, keep=tmp_path / "checkpoint-1000") == []
+    assert rotate(tmp_path, limit=2) == [] and rotate(tmp_path, limit=5) == []  # within the limit: nothing goes
+    saved(tmp_path, 2000)
+    assert names(rotate(tmp_path, limit=2)) == ["checkpoint-10"]  # one over: the oldest only
+    assert names(valid_checkpoints(tmp_path)) == ["checkpoint-1000", "checkpoint-2000"]
+    assert names(rotate(tmp_path, limit=1, keep=tmp_path / "checkpoint-2000")) == ["checkpoint-1000"]
+    assert rotate(tmp_path, limit=1, keep=tmp_path / "checkpoint-2000") == []
+
+
+def test_rotation_goes_on_when_a_checkpoint_it_deletes_is_already_gone(tmp_path, monkeypatch):
+    """Another process (a user, a second job's rotation) removed it between the listing and the delete: the run
+    trains on."""
+    for step in (1, 2):
+        saved(tmp_path, step)
+    listed = valid_checkpoints(tmp_path)
+    monkeypatch.setattr(checkpoint_format, "valid_checkpoints", lambda root: [tmp_path / "checkpoint-0", *listed])
+    assert names(rotate(tmp_path, limit=1)) == ["checkpoint-0", "checkpoint-1"]
 
 
 def test_a_restart_resumes_only_what_an_earlier_process_wrote(tmp_path):
@@ -131,7 +144,10 @@ def test_a_restart_resumes_only_what_an_earlier_process_wrote(tmp_path):
     earlier = by_an_earlier_process(saved(tmp_path, 9))
     mine = saved(tmp_path, 10)
     assert written_by_this_process(mine) and not written_by_this_process(earlier)
-    assert not written_by_this_process(tmp_path / "checkpoint-11")
+    assert not written_by_this_process(tmp_path / "checkpoint-11")  # no marker
+    (tmp_path / "checkpoint-12").mkdir()
+    (tmp_path / "checkpoint-12" / MARKER).write_text("{}")  # a marker that names no writer
+    assert not written_by_this_process(tmp_path / "checkpoint-12")
     assert newest_valid_checkpoint(tmp_path) == mine
     assert newest_valid_checkpoint(tmp_path, earlier_processes=True) == earlier
 
@@ -160,10 +176,12 @@ def test_the_loss_sum_comes_from_the_record_else_from_logged_losses(tmp_path):
     checkpoint = tmp_path / "checkpoint-6"
     checkpoint.mkdir()
     assert read_loss_sum(checkpoint) is None and read_data_state(checkpoint) is None
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 6}))
+    assert read_loss_sum(checkpoint) is None  # nothing logged
     state = {"global_step": 6, "log_history": [{"step": 2, "loss": 1.0}, {"step": 2, "eval_loss": 9.0},
-                                               {"step": 6, "loss": 0.5}]}
+                                               {"step": 3, "loss": 0.75}, {"step": 6, "loss": 0.5}]}
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
-    assert read_loss_sum(checkpoint) == pytest.approx(1.0 * 2 + 0.5 * 4)
+    assert read_loss_sum(checkpoint) == pytest.approx(1.0 * 2 + 0.75 * 1 + 0.5 * 3)
     state["global_step"] = 7
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
     assert read_loss_sum(checkpoint) is None

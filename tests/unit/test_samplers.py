@@ -77,7 +77,10 @@ def test_a_changed_global_batch_repeats_and_drops_no_sample(new_batch, new_world
     saved = old.state_dict(5)  # 80 samples consumed
     new = ResumableBatchSampler(37, new_batch, world_size=new_world, seed=3)
     warnings = new.load_state_dict(saved)
-    assert len(warnings) == 1 and "global batch changed from 16 to" in warnings[0] and "none repeated" in warnings[0]
+    assert warnings == [
+        f"the global batch changed from 16 to {new_batch * new_world} (per-device batch x accumulation x world size): "
+        "training continues at sample 80 of the same order, none repeated or dropped; from here on steps, epochs and "
+        "the learning-rate schedule count batches of the new size"]
     new_steps, _ = steps(37, new_batch, new_world, epochs=12, state=saved, first_step=5)
     trained = [i for step in old_steps[:5] for i in step] + [i for step in new_steps[:6] for i in step]
     reference = ResumableBatchSampler(37, 1, seed=3)
@@ -91,10 +94,24 @@ def test_a_changed_global_batch_repeats_and_drops_no_sample(new_batch, new_world
 def test_a_changed_dataset_or_seed_is_refused_with_the_way_out():
     """Resuming on other data or another seed would skip the wrong samples; refuse, naming --ignore_data_skip."""
     saved = ResumableBatchSampler(37, 8, seed=3).state_dict(2)
-    with pytest.raises(ValueError, match=r"num_samples changed from 37 to 40.*--ignore_data_skip"):
-        ResumableBatchSampler(40, 8, seed=3).load_state_dict(saved)
-    with pytest.raises(ValueError, match=r"seed changed from 3 to 4"):
+    with pytest.raises(ValueError) as refused:
+        ResumableBatchSampler(40, 8, seed=4).load_state_dict(saved)
+    assert str(refused.value) == (
+        "cannot continue the training order of the checkpoint: num_samples changed from 37 to 40; seed changed from 3 "
+        "to 4. Resume with the same dataset and --seed/--data_seed, or pass --ignore_data_skip to restart the order "
+        "(samples may repeat), or --fresh_start")
+    with pytest.raises(ValueError, match=r": seed changed from 3 to 4\. Resume"):
         ResumableBatchSampler(37, 8, seed=4).load_state_dict(saved)
+
+
+def test_the_saved_position_is_the_checkpoints_data_state():
+    """data_state.json's fields (a resume by a later release reads them); a state from before the global batch was
+    recorded continues without a warning."""
+    sampler = ResumableBatchSampler(37, 4, rank=1, world_size=2, seed=3, gradient_accumulation_steps=2)
+    assert sampler.state_dict(5) == {"global_step": 5, "samples_consumed": 80, "global_batch_size": 16,
+                                     "num_samples": 37, "seed": 3, "world_size": 2}
+    assert sampler.load_state_dict({"global_step": 5, "samples_consumed": 80, "num_samples": 37, "seed": 3}) == []
+    assert sampler.step_position(5) == 80
 
 
 def test_iteration_yields_the_epoch_set_by_set_epoch():
