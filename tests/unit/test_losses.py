@@ -175,6 +175,32 @@ def test_the_probe_notes_arithmetic_on_num_items_but_not_moves():
     assert not NumItemsProbe.of(torch.tensor(3)).read  # a new step starts unread
 
 
+def test_no_move_copy_view_or_question_about_the_count_reads_it():
+    """Each of these on num_items_in_batch (transformers moves it to the device; a loss may copy, view or format it)
+    leaves a loss that never divides by it a per-batch mean; any arithmetic reads it."""
+    def untouched(use):
+        probe = NumItemsProbe.of(torch.tensor(8))
+        use(probe)
+        return not NumItemsProbe.read
+
+    moves = [lambda t: t.to("cpu"), lambda t: t.cpu(), lambda t: t.clone(), lambda t: t.detach(),
+             lambda t: t.contiguous(), lambda t: t.view(1), lambda t: t.reshape(1), lambda t: t.view(1).squeeze(),
+             lambda t: t.unsqueeze(0), lambda t: t.expand(()), lambda t: t.float(), lambda t: t.double(),
+             lambda t: t.long(), lambda t: t.int(), lambda t: t.type(torch.float32), lambda t: t.dim(),
+             lambda t: t.size(), lambda t: t.numel(), lambda t: t.element_size(), lambda t: t.is_floating_point(),
+             lambda t: (t.shape, t.dtype), repr, lambda t: f"{t:}"]
+    assert all(untouched(use) for use in moves)
+    for name in ("cuda", "pin_memory"):  # a GPU's moves, by name (this machine may have none)
+        def moved(tensor):
+            return tensor
+        moved.__name__ = name
+        probe = NumItemsProbe.of(8)
+        NumItemsProbe.__torch_function__(moved, (NumItemsProbe,), (probe,))
+        assert not NumItemsProbe.read, name
+    assert not untouched(lambda t: t + 0) and not untouched(lambda t: t.clamp(min=1)) and not untouched(
+        lambda t: t.item())
+
+
 def test_a_loss_fn_takes_num_items_only_when_it_names_the_parameter():
     """transformers' compute_loss_func contract: the parameter's name, not its position."""
     assert takes_num_items(lambda outputs, labels, num_items_in_batch=None: 0)
