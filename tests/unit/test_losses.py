@@ -133,6 +133,23 @@ def test_the_padded_last_batch_of_n_ranks_counts_only_its_real_samples():
     losses = EvaluationLosses(empty)
     losses.add({"labels": LABELS}, torch.tensor(7.0), evaluate_first=lambda count: torch.tensor(7.0))
     assert losses.total.item() == 0.0 and losses.targets.item() == 0.0 and losses.loss() is None
+    one = Ranks(world_size=2, rank=0, remainder=1)  # one real sample in the last global batch
+    one.accelerator.gradient_state.end_of_dataloader = True
+    losses, asked = EvaluationLosses(one), []
+    losses.add({"labels": LABELS}, torch.tensor(2.0), evaluate_first=lambda count: asked.append(count) or
+               torch.tensor(3.0))
+    assert asked == [1] and losses.loss() == pytest.approx(3.0)
+
+
+def test_a_rank_without_real_samples_adds_nothing_even_when_its_copy_is_not_finite():
+    """The copies a rank re-evaluates to keep in step are never counted: a copy whose loss overflows must not turn the
+    evaluation loss into NaN (0 targets times inf), also with --logging_nan_inf_filter false."""
+    trainer = Ranks(world_size=2, rank=1, remainder=2, nan_filter=False)
+    losses = EvaluationLosses(trainer)
+    losses.add({"labels": LABELS}, torch.tensor(2.0), evaluate_first=None)
+    trainer.accelerator.gradient_state.end_of_dataloader = True
+    losses.add({"labels": LABELS}, torch.tensor(2.0), evaluate_first=lambda count: torch.tensor(float("inf")))
+    assert losses.loss() == pytest.approx(2.0)
 
 
 def test_a_batch_that_is_not_the_padded_last_one_is_taken_whole():
