@@ -73,6 +73,21 @@ def test_only_decoder_causal_lms_shift_their_labels():
     assert not shifts_labels(tiny("bart")) and not shifts_labels(tiny("bert"))
 
 
+def test_a_users_own_causal_lm_shifts_when_its_loss_is_transformers_causal_lm_loss():
+    """A model class transformers does not list (a user's own, trust_remote_code) whose loss_type names transformers'
+    ForCausalLMLoss shifts like one; a module without a config or loss_type does not."""
+    class MyLM(torch.nn.Module):
+        loss_type = "ForCausalLM"
+
+    class MyClassifier(torch.nn.Module):
+        loss_type = "ForSequenceClassification"
+
+    assert shifts_labels(MyLM()) and not shifts_labels(MyClassifier()) and not shifts_labels(torch.nn.Linear(2, 2))
+    with_config = MyLM()
+    with_config.config = SimpleNamespace(model_type="mine")  # a config that does not say is_encoder_decoder
+    assert shifts_labels(with_config)
+
+
 class Ranks:
     """What EvaluationLosses reads of a trainer: the model, the rank's place, the dataloader's end, and accelerate's
     sum over ranks (over the simulated ranks' totals, given as `others`)."""
