@@ -135,3 +135,38 @@ def test_each_pass_is_the_permutation_its_seed_and_pass_number_give():
         assert sampler.data_order(data_pass) == expected
     assert sampler.global_batch_size == 4 and ResumableBatchSampler(37, 4, world_size=2,
                                                                     gradient_accumulation_steps=3).global_batch_size == 24
+
+
+def test_a_global_batch_larger_than_the_data_is_refused_with_a_batch_that_fits(monkeypatch, capsys):
+    """Each optimizer step would repeat every sample (and call it an epoch): refused before training with a batch
+    that fits, unless --repeat_small_dataset, which is said once, on the main process."""
+    from types import SimpleNamespace
+
+    from trainer_ext.data import samplers
+    from trainer_ext.errors import UserError
+
+    monkeypatch.setattr(samplers, "_SAID", set())
+    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=3, process_index=0)  # stock
+    what = ("a global batch of 24 samples (--per_device_train_batch_size 4 x --gradient_accumulation_steps 3 x 2 "
+            "rank(s)) is larger than the 20 training sample(s): each optimizer step would see every sample about 1.2 "
+            "times")
+    assert samplers.global_batch_problem(args, 20, 2) == (
+        f"{what}: lower the batch (e.g. --gradient_accumulation_steps 2), add data, or pass --repeat_small_dataset to "
+        "train on it repeated")
+    with pytest.raises(UserError, match=r"^a global batch of 24 samples .* --repeat_small_dataset to train on it"):
+        samplers.check_global_batch(args, 20, 2)
+    assert samplers.global_batch_problem(args, 24, 2) is None and samplers.global_batch_problem(args, 0, 2) is None
+    samplers.check_global_batch(args, 24, 2)
+    one = SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=1, process_index=0)
+    assert samplers.global_batch_problem(one, 1, 1).endswith(
+        "(e.g. --per_device_train_batch_size 1 and --gradient_accumulation_steps 1), add data, or pass "
+        "--repeat_small_dataset to train on it repeated")
+    wide = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=1, process_index=0)
+    assert "(e.g. --per_device_train_batch_size 5 and --gradient_accumulation_steps 1)" in \
+        samplers.global_batch_problem(wide, 20, 4)
+    repeat = SimpleNamespace(**vars(args), repeat_small_dataset=True)
+    assert samplers.global_batch_problem(repeat, 20, 2) is None and samplers.global_batch_problem(repeat, 20, 2) is None
+    assert capsys.readouterr().out == f"trainer_ext: {what} (--repeat_small_dataset)\n"
+    monkeypatch.setattr(samplers, "_SAID", set())
+    assert samplers.global_batch_problem(SimpleNamespace(**vars(repeat) | {"process_index": 1}), 20, 2) is None
+    assert capsys.readouterr().out == ""
