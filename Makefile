@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # TEST_JOBS=0: serial.
 TEST_JOBS ?= 2
 
-.PHONY: setup test test-fast test-without-libraries test-oldest test-newest demo clean gpu-setup gpu-test gpu-bench gpu-check
+.PHONY: setup test test-fast test-without-libraries test-oldest test-newest mutate demo clean gpu-setup gpu-test gpu-bench gpu-check
 
 setup: $(STAMP)
 
@@ -27,10 +27,18 @@ $(STAMP): $(PY) setup.py constraints/tested.txt
 test: setup
 	$(PY) -m pytest tests -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-# The unit subset (no process started, no model package, no GPU): under a minute; the markers are in pytest.ini and
-# tests/support/markers.py fails a test that starts a process without being marked `launch`.
+# The unit subset (no process started, no model package, no GPU, no DeepSpeed op compiled); the markers are in
+# pytest.ini and tests/support/markers.py fails a test that starts a process without being marked `launch`. In a
+# shuffled order (test files, and the tests in each), so no test leans on another having run first: the header says
+# the seed; PYTEST_ARGS="--random-order-seed=N" repeats that order, PYTEST_ARGS="--random-order-bucket=none" keeps
+# the files' own.
 test-fast: setup
-	$(PY) -m pytest tests -m "not launch and not cuda" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not launch and not cuda" --random-order-bucket=module $(PYTEST_ARGS)
+
+# Mutation testing (mutmut) of the modules behind the promises against the unit tests, each module's score, and the
+# survivors neither killed nor listed as equivalent in docs/mutation.md (scripts/mutate.py). Not in .ci/run.
+mutate: setup
+	$(PY) scripts/mutate.py
 
 # The unit subset as on a machine without DeepSpeed, FairScale and the MiniLM package (hidden by
 # tests/scripts/without_libraries/sitecustomize.py): the markers must deselect what needs them, cleanly (~2 min).
@@ -106,4 +114,4 @@ gpu-bench: gpu-setup
 gpu-check: gpu-test gpu-bench
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) $(NEWEST_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) $(NEWEST_VENV) build *.egg-info .pytest_cache mutants

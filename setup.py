@@ -29,7 +29,9 @@ TEST_CORE = [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH_POST
              "boto3", "tensorboard", "pytest>=7", "pytest-xdist>=3.8"]
 # trl needs datasets>=4.7 and accelerate>=1.10.1, above the floors `make test-oldest` pins: that job installs
 # test-core, and the LLM tests skip there.
-TEST = [*TEST_CORE, *LLM]
+# make mutate (scripts/mutate.py): mutmut; make test-fast shuffles the unit subset's order (pytest-random-order: off
+# unless asked, so `make test` keeps tests/support/order.py's file order).
+TEST = [*TEST_CORE, *LLM, "mutmut>=3.8", "pytest-random-order>=1.2"]
 
 setup(
     name="trainer_ext",

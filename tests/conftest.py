@@ -15,8 +15,8 @@ from support.examples import EXAMPLES, example, user_error, write_lines
 from support.launches import GLUE, GLUE_COMMON, TINY_COMMON, TINY_TRAIN, launch
 from support.markers import check_markers, record_markers, requires_cuda
 from support.models import build_tiny_bert, tiny_bart_config, tiny_bert
-from support.ops import (PREBUILD, PREBUILT_OPS, prepare_ops_folder, start_building_ops, stop_building_ops,
-                         wait_for_deepspeed_ops)
+from support.ops import (PREBUILD, PREBUILT_OPS, check_no_op_loaded, needs_built_ops, ops_loaded_here,
+                         prepare_ops_folder, start_building_ops, stop_building_ops, wait_for_deepspeed_ops)
 from support.order import order_files
 from support.outputs import (assert_continues, assert_same_training, copy_checkpoint, logged, max_weight_difference,
                              scratch, weights)
@@ -99,9 +99,13 @@ def pytest_terminal_summary(terminalreporter):
 # -- fixtures ----------------------------------------------------------------------------------------------------------
 @pytest.fixture(autouse=True)
 def _deepspeed_ops_built(request):
-    """A test that needs DeepSpeed (in this process or a launched one) starts once its ops are built."""
-    if request.node.get_closest_marker("deepspeed"):
+    """A test that launches DeepSpeed starts once its ops are built; one not marked `launch` loads none
+    (support/ops.check_no_op_loaded), so it neither waits nor starts the build."""
+    if needs_built_ops(request.node):
         wait_for_deepspeed_ops()
+    before = ops_loaded_here()
+    yield
+    check_no_op_loaded(request, before)
 
 
 @pytest.fixture(autouse=True)

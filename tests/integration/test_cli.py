@@ -165,3 +165,16 @@ def test_search_check_prints_the_storage_url_without_its_password():
     printed = search_as_checked(settings)
     assert "s3cret" not in printed and "storage: postgresql+psycopg://tuner:***@db:5432/studies" in printed
     assert settings.storage.endswith("tuner:s3cret@db:5432/studies")  # what the workers use keeps it
+
+
+@pytest.mark.launch  # loads the ops the session's `trainer-ext build-ops` built (compiles them where it could not)
+@pytest.mark.deepspeed
+def test_build_ops_only_loads_ops_already_built(capsys):
+    """`trainer-ext build-ops` run again (README says to run it once per environment) must load, not rebuild, and
+    build only the ops named with --only."""
+    from trainer_ext.cli import main
+
+    assert main(["build-ops", "--only", "cpu_adam", "deepspeed_shm_comm"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu_adam: built already, loading" in out and "deepspeed_shm_comm: built already, loading" in out
+    assert "the ops named are built" in out and "fused_adam" not in out

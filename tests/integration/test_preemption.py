@@ -12,9 +12,10 @@ import pytest
 
 from conftest import (BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, assert_same_training, clean_env,
                       free_port, signal_at_step)
-from trainer_ext.checkpoints.format import MARKER, newest_valid_checkpoint, rotate
+from trainer_ext.checkpoints.format import MARKER, newest_valid_checkpoint
 from trainer_ext.data.samplers import ResumableBatchSampler
 
+# The choice of checkpoint and rotation in process: tests/unit/test_checkpoint_choice.py.
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed, pytest.mark.model_package]
 
 LAUNCHERS = {
@@ -83,29 +84,6 @@ def write_checkpoint(root, step, complete=True):
     if complete:
         (path / MARKER).write_text(json.dumps({"step": step}))
     return path
-
-
-def test_damaged_newest_checkpoint_is_skipped(tmp_path, caplog):
-    """A checkpoint cut off mid-save or with a broken trainer_state.json must never be resumed; the older one is."""
-    write_checkpoint(tmp_path, 10)
-    write_checkpoint(tmp_path, 20, complete=False)  # a crash while saving (or a stock-transformers folder)
-    broken = write_checkpoint(tmp_path, 30)
-    (broken / "trainer_state.json").write_text("{not json")
-    assert newest_valid_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
-    assert "skipping checkpoint" in caplog.text and "checkpoint-20" in caplog.text and "checkpoint-30" in caplog.text
-
-
-def test_save_total_limit_never_deletes_the_only_valid_checkpoint(tmp_path):
-    """--save_total_limit must count only complete checkpoints and keep the best: never delete the one to resume."""
-    write_checkpoint(tmp_path, 10)
-    write_checkpoint(tmp_path, 20, complete=False)
-    write_checkpoint(tmp_path, 30, complete=False)
-    assert rotate(tmp_path, limit=1) == []
-    assert (tmp_path / "checkpoint-10").is_dir()
-    for step in (40, 50):
-        write_checkpoint(tmp_path, step)
-    deleted = rotate(tmp_path, limit=2, keep=tmp_path / "checkpoint-10")
-    assert deleted == [tmp_path / "checkpoint-40"]  # the best (10) and the newest (50) stay
 
 
 def test_checkpoint_of_a_different_model_is_refused_before_training(tmp_path):

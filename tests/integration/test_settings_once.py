@@ -10,8 +10,6 @@ import pytest
 
 from conftest import PYTHON, REPO, run_many
 
-pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
-
 # stock TrainingArguments: the complete DeepSpeed config replaces the file's path (transformers reads it); FSDP on one
 # process hides --fsdp from transformers' "only distributed" check (the settings select the backend); the global batch
 # is settled for this start's ranks (config/batch.py: here the command's own, no field changed).
@@ -20,6 +18,8 @@ STOCK = {"ddp": {"changed": [], "added": ["global_batch"]},
          "fsdp": {"changed": [], "added": ["fsdp_settings", "global_batch"]}}
 
 
+@pytest.mark.launch
+@pytest.mark.deepspeed
 def test_building_ext_trainer_changes_no_field_of_parsed_arguments(tmp_path):
     """Fails if a backend, the process set-up or ExtTrainer writes onto arguments ExtTrainingArguments resolved, or
     if stock TrainingArguments get more than the fields transformers reads."""

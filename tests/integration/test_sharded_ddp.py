@@ -10,8 +10,6 @@ import torch
 
 from conftest import (ACCUMULATE, PLAIN, PYTHON, REPO, STEPS, TINY_TRAIN, assert_same_training, free_port, launch,
                       logged, max_weight_difference, run, run_many, scratch, selected)
-from trainer_ext.backends.fairscale import check_machine as check_sharded_ddp_machine
-from trainer_ext.errors import ArgumentsError
 
 pytestmark = [pytest.mark.launch, pytest.mark.model_package]
 
@@ -137,10 +135,3 @@ def test_fully_sharded_options_fail_early_without_cuda(parsed_without_cuda, opti
     out = parsed_without_cuda[" ".join(options)]
     assert out.returncode == 2 and "ARGS" not in out.stdout
     assert f"--sharded_ddp {' '.join(options)}" in out.stderr and "use --sharded_ddp simple" in out.stderr
-
-
-def test_offload_requires_mixed_precision():
-    """FairScale offloads only in mixed precision: "zero_dp_2 offload" without --fp16/--bf16 must say to add one."""
-    with pytest.raises(ArgumentsError, match="offload.*mixed precision.*--fp16 or --bf16"):
-        check_sharded_ddp_machine(["zero_dp_2", "offload"], cuda_available=True, mixed_precision=False)
-    check_sharded_ddp_machine(["zero_dp_2", "offload"], cuda_available=True, mixed_precision=True)

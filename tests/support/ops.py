@@ -1,7 +1,7 @@
 """DeepSpeed's JIT ops, built once per environment in the background: `trainer-ext build-ops` starts when a selected
-test needs DeepSpeed, in a process of its own holding a lock in the session's shared folder, while the files without
-a DeepSpeed test run; a test marked `deepspeed` (and a run that launches DeepSpeed) waits for the build, once, and
-the summary says what it cost."""
+test launches DeepSpeed, in a process of its own holding a lock in the session's shared folder, while the files without
+a DeepSpeed test run; a test marked `deepspeed` and `launch` (and a run that launches DeepSpeed) waits for the build,
+once, and the summary says what it cost. The unit subset loads no op (check_no_op_loaded)."""
 
 import fcntl
 import os
@@ -47,17 +47,22 @@ def prepare_ops_folder(session) -> None:
         clear_stale_build_locks(min_age_s=0)
 
 
+def needs_built_ops(item) -> bool:
+    """A test that launches DeepSpeed (marked `deepspeed` and `launch`): the unit subset loads no op (check_no_op_loaded)."""
+    return bool(item.get_closest_marker("deepspeed") and item.get_closest_marker("launch"))
+
+
 def start_building_ops(session) -> None:
     """Start building DeepSpeed's JIT ops in this environment's own folder, in the background, when a selected test
-    needs DeepSpeed: a fresh clone builds them (~5-8 min on 2 cores) while the files without a DeepSpeed test run
-    (they go first, see order.py); a test marked `deepspeed` waits for the build (wait_for_deepspeed_ops), so no
+    launches DeepSpeed: a fresh clone builds them (~5-8 min on 2 cores) while the files without a DeepSpeed test run
+    (they go first, see order.py); such a test waits for the build (wait_for_deepspeed_ops), so no
     launcher test builds them under its timeout, and a build killed elsewhere (another clone, a stopped session)
     cannot leave a lock that hangs every later run."""
     import importlib.util
 
     config = session.config
     if (importlib.util.find_spec("deepspeed") is None or "not launch" in config.getoption("markexpr", "")
-            or config.getoption("collectonly") or not any(i.get_closest_marker("deepspeed") for i in session.items)):
+            or config.getoption("collectonly") or not any(needs_built_ops(item) for item in session.items)):
         return
     _OPS["started"] = time.time()
     built = shared_dir() / "ops-built"
@@ -149,3 +154,21 @@ def stop_building_ops(session, exitstatus) -> None:
     os.killpg(process.pid, 9)
     process.wait()
     clear_stale_build_locks(min_age_s=0)
+
+
+def ops_loaded_here() -> set[str]:
+    """The DeepSpeed JIT ops this process has loaded (each compiled for minutes first in an environment without it)."""
+    builder = sys.modules.get("deepspeed.ops.op_builder.builder")
+    return set(builder.OpBuilder._loaded_ops) if builder is not None else set()
+
+
+def check_no_op_loaded(request, before: set[str]) -> None:
+    """The unit subset (`make test-fast`: no test marked `launch`) compiles no DeepSpeed op: a test that loads one took
+    minutes in a fresh environment (DeepSpeed's shared-memory all-reduce and FusedAdam made `make test-fast` 5 min
+    instead of under one) and passed or failed by which test had built it before."""
+    loaded = sorted(ops_loaded_here() - before)
+    if loaded and not request.node.get_closest_marker("launch"):
+        pytest.fail(f"{request.node.nodeid} loaded DeepSpeed's JIT op(s) {', '.join(loaded)}, which compile for "
+                    "minutes where they are not built: give DeepSpeed a config that needs none (torch_adam, no "
+                    "offload; support/deepspeed_oracle.py starts without the shared-memory op), or mark it launch",
+                    pytrace=False)

@@ -9,7 +9,9 @@ import torch
 from transformers import TrainingArguments
 
 from trainer_ext import ExtTrainingArguments
-from trainer_ext.backends.fairscale import fsdp_settings, grads_in_parameter_dtype, optimizer_kwargs_for_scaler
+from trainer_ext.backends.fairscale import (check_machine, fsdp_settings, grads_in_parameter_dtype,
+                                           optimizer_kwargs_for_scaler)
+from trainer_ext.errors import ArgumentsError
 
 
 def flags(fp16=False, bf16=False, device="cuda:0"):
@@ -94,3 +96,10 @@ def test_offload_keeps_the_model_where_fsdp_wants_it():
     assert args.place_model_on_device is None  # transformers decides, as before
     args.sharded_ddp = ["zero_dp_2", "offload"]  # only CUDA machines accept it at parse time
     assert args.place_model_on_device is False
+
+
+def test_offload_requires_mixed_precision():
+    """FairScale offloads only in mixed precision: "zero_dp_2 offload" without --fp16/--bf16 must say to add one."""
+    with pytest.raises(ArgumentsError, match="offload.*mixed precision.*--fp16 or --bf16"):
+        check_machine(["zero_dp_2", "offload"], cuda_available=True, mixed_precision=False)
+    check_machine(["zero_dp_2", "offload"], cuda_available=True, mixed_precision=True)

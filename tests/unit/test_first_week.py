@@ -564,19 +564,15 @@ def test_the_ops_a_config_makes_deepspeed_build(config, cpu, builders):
 @pytest.mark.deepspeed
 def test_a_run_that_would_build_an_op_says_so_and_build_ops_builds_them_ahead(tmp_path, monkeypatch, capsys):
     """The first DeepSpeed run on a machine printed nothing for minutes while DeepSpeed compiled its ops (it looked
-    hung). The notice names the op, its folder and `trainer-ext build-ops`; once built (this session built them with
-    `trainer-ext build-ops`, see conftest.PREBUILD) a run says nothing, and build-ops only loads them."""
+    hung). In an environment without them (a fresh TORCH_EXTENSIONS_DIR) the notice names the op, its folder and
+    `trainer-ext build-ops`; once an op's library is there, newer than its sources, a run says nothing; an older one
+    (DeepSpeed upgraded since) is rebuilt and said again. Builds nothing (tests/integration/test_cli.py runs build-ops
+    on the ops the session built)."""
     from torch.utils.cpp_extension import _get_build_directory
 
     from trainer_ext.backends.deepspeed import ops
 
     config = {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
-    assert ops.announce_builds(config) == []  # built in this environment
-    code, out, _ = cli(capsys, "build-ops", "--only", "cpu_adam", "deepspeed_shm_comm")
-    assert code == 0 and "cpu_adam: built already, loading" in out and "the ops named are built" in out
-    assert "fused_adam" not in out
-    code, _, err = cli(capsys, "build-ops", "--only", "cpu_adm")
-    assert code == 2 and "--only cpu_adm (did you mean cpu_adam?): not one of this machine's ops" in err
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(ops, "_ANNOUNCED", set())
     said = ops.announce_builds(config)
@@ -585,6 +581,16 @@ def test_a_run_that_would_build_an_op_says_so_and_build_ops_builds_them_ahead(tm
     assert f"(into {tmp_path / 'cpu_adam'}), about 2 min on 2 busy CPU cores" in said[1]
     assert "`trainer-ext build-ops` builds DeepSpeed's ops ahead of a run" in said[1]
     assert ops.announce_builds(config) == []  # once per process
+    code, _, err = cli(capsys, "build-ops", "--only", "cpu_adm")
+    assert code == 2 and "--only cpu_adm (did you mean cpu_adam?): not one of this machine's ops" in err
+
+    monkeypatch.setattr(ops, "_ANNOUNCED", set())
+    for name in ("deepspeed_shm_comm", "cpu_adam"):  # what a build leaves: the library, written after its sources
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.so").touch()
+    assert ops.announce_builds(config) == []
+    os.utime(tmp_path / "cpu_adam" / "cpu_adam.so", (0, 0))  # older than DeepSpeed's sources: torch rebuilds it
+    assert [line.split(" op ")[0] for line in ops.announce_builds(config)] == ["DeepSpeed builds its cpu_adam"]
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")  # torch's own default folder, as torch computes it
     assert str(ops.build_folder("fused_adam")) == _get_build_directory("fused_adam", verbose=False)
 

@@ -77,7 +77,10 @@ def test_a_changed_global_batch_repeats_and_drops_no_sample(new_batch, new_world
     saved = old.state_dict(5)  # 80 samples consumed
     new = ResumableBatchSampler(37, new_batch, world_size=new_world, seed=3)
     warnings = new.load_state_dict(saved)
-    assert len(warnings) == 1 and "global batch changed from 16 to" in warnings[0] and "none repeated" in warnings[0]
+    assert warnings == [
+        f"the global batch changed from 16 to {new_batch * new_world} (per-device batch x accumulation x world size): "
+        "training continues at sample 80 of the same order, none repeated or dropped; from here on steps, epochs and "
+        "the learning-rate schedule count batches of the new size"]
     new_steps, _ = steps(37, new_batch, new_world, epochs=12, state=saved, first_step=5)
     trained = [i for step in old_steps[:5] for i in step] + [i for step in new_steps[:6] for i in step]
     reference = ResumableBatchSampler(37, 1, seed=3)
@@ -91,10 +94,24 @@ def test_a_changed_global_batch_repeats_and_drops_no_sample(new_batch, new_world
 def test_a_changed_dataset_or_seed_is_refused_with_the_way_out():
     """Resuming on other data or another seed would skip the wrong samples; refuse, naming --ignore_data_skip."""
     saved = ResumableBatchSampler(37, 8, seed=3).state_dict(2)
-    with pytest.raises(ValueError, match=r"num_samples changed from 37 to 40.*--ignore_data_skip"):
-        ResumableBatchSampler(40, 8, seed=3).load_state_dict(saved)
-    with pytest.raises(ValueError, match=r"seed changed from 3 to 4"):
+    with pytest.raises(ValueError) as refused:
+        ResumableBatchSampler(40, 8, seed=4).load_state_dict(saved)
+    assert str(refused.value) == (
+        "cannot continue the training order of the checkpoint: num_samples changed from 37 to 40; seed changed from 3 "
+        "to 4. Resume with the same dataset and --seed/--data_seed, or pass --ignore_data_skip to restart the order "
+        "(samples may repeat), or --fresh_start")
+    with pytest.raises(ValueError, match=r": seed changed from 3 to 4\. Resume"):
         ResumableBatchSampler(37, 8, seed=4).load_state_dict(saved)
+
+
+def test_the_saved_position_is_the_checkpoints_data_state():
+    """data_state.json's fields (a resume by a later release reads them); a state from before the global batch was
+    recorded continues without a warning."""
+    sampler = ResumableBatchSampler(37, 4, rank=1, world_size=2, seed=3, gradient_accumulation_steps=2)
+    assert sampler.state_dict(5) == {"global_step": 5, "samples_consumed": 80, "global_batch_size": 16,
+                                     "num_samples": 37, "seed": 3, "world_size": 2}
+    assert sampler.load_state_dict({"global_step": 5, "samples_consumed": 80, "num_samples": 37, "seed": 3}) == []
+    assert sampler.step_position(5) == 80
 
 
 def test_iteration_yields_the_epoch_set_by_set_epoch():
@@ -105,3 +122,51 @@ def test_iteration_yields_the_epoch_set_by_set_epoch():
     assert list(sampler) != first
     sampler.set_epoch(0)
     assert list(sampler) == first == [sampler.micro_batch(0, k) for k in range(5)]
+
+
+def test_each_pass_is_the_permutation_its_seed_and_pass_number_give():
+    """The order is part of a checkpoint's meaning: a resume (even by a later release) must compute the same
+    permutation, torch.randperm seeded with seed + pass, for every pass."""
+    import torch
+
+    sampler = ResumableBatchSampler(37, 4, seed=5)
+    for data_pass in (0, 1, 2, 0):
+        expected = torch.randperm(37, generator=torch.Generator().manual_seed(5 + data_pass)).tolist()
+        assert sampler.data_order(data_pass) == expected
+    assert sampler.global_batch_size == 4 and ResumableBatchSampler(37, 4, world_size=2,
+                                                                    gradient_accumulation_steps=3).global_batch_size == 24
+
+
+def test_a_global_batch_larger_than_the_data_is_refused_with_a_batch_that_fits(monkeypatch, capsys):
+    """Each optimizer step would repeat every sample (and call it an epoch): refused before training with a batch
+    that fits, unless --repeat_small_dataset, which is said once, on the main process."""
+    from types import SimpleNamespace
+
+    from trainer_ext.data import samplers
+    from trainer_ext.errors import UserError
+
+    monkeypatch.setattr(samplers, "_SAID", set())
+    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=3, process_index=0)  # stock
+    what = ("a global batch of 24 samples (--per_device_train_batch_size 4 x --gradient_accumulation_steps 3 x 2 "
+            "rank(s)) is larger than the 20 training sample(s): each optimizer step would see every sample about 1.2 "
+            "times")
+    assert samplers.global_batch_problem(args, 20, 2) == (
+        f"{what}: lower the batch (e.g. --gradient_accumulation_steps 2), add data, or pass --repeat_small_dataset to "
+        "train on it repeated")
+    with pytest.raises(UserError, match=r"^a global batch of 24 samples .* --repeat_small_dataset to train on it"):
+        samplers.check_global_batch(args, 20, 2)
+    assert samplers.global_batch_problem(args, 24, 2) is None and samplers.global_batch_problem(args, 0, 2) is None
+    samplers.check_global_batch(args, 24, 2)
+    one = SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=1, process_index=0)
+    assert samplers.global_batch_problem(one, 1, 1).endswith(
+        "(e.g. --per_device_train_batch_size 1 and --gradient_accumulation_steps 1), add data, or pass "
+        "--repeat_small_dataset to train on it repeated")
+    wide = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=1, process_index=0)
+    assert "(e.g. --per_device_train_batch_size 5 and --gradient_accumulation_steps 1)" in \
+        samplers.global_batch_problem(wide, 20, 4)
+    repeat = SimpleNamespace(**vars(args), repeat_small_dataset=True)
+    assert samplers.global_batch_problem(repeat, 20, 2) is None and samplers.global_batch_problem(repeat, 20, 2) is None
+    assert capsys.readouterr().out == f"trainer_ext: {what} (--repeat_small_dataset)\n"
+    monkeypatch.setattr(samplers, "_SAID", set())
+    assert samplers.global_batch_problem(SimpleNamespace(**vars(repeat) | {"process_index": 1}), 20, 2) is None
+    assert capsys.readouterr().out == ""

@@ -172,12 +172,42 @@ def test_optim_flag_picks_the_optimizer_as_the_trainer_does(tmp_path):
         assert group["lr"] == 1e-3 and all(group[k] == v for k, v in expected_options.items())
 
 
-def test_settings_from_dict_reject_unknown_keys():
-    """A wrong key in optimizer settings (learning_rate for lr) must be refused, not silently train at the default."""
-    assert OptimizerSettings.from_dict({"lr": 1e-3, "betas": [0.8, 0.9]}).betas == (0.8, 0.9)
-    assert SchedulerSettings.from_dict({"type": "cosine", "warmup_steps": 0.1}).warmup_for(50) == 5
-    with pytest.raises(ValueError, match="unknown keys \\['learning_rate'\\]"):
-        OptimizerSettings.from_dict({"learning_rate": 1e-3})
+def test_warmup_is_a_step_count_from_one_and_a_ratio_of_the_total_below():
+    """--warmup_steps 3 warms up 3 steps, 0.1 of 50 steps 5 (rounded up: 0.1 of 41 is 5), 0 none; a ratio waits for the
+    total (None while it is unknown)."""
+    from trainer_ext.config.optimizer import warmup_steps
+
+    assert SchedulerSettings("cosine", 0.1).warmup_for(50) == 5 and SchedulerSettings("linear", 3).warmup_for(50) == 3
+    assert [warmup_steps(w, 41) for w in (0, 0.1, 1, 1.5, 12)] == [0, 5, 1, 1, 12]
+    assert warmup_steps(0.1, None) is None and warmup_steps(4, None) == 4 and warmup_steps(0, None) == 0
+
+
+def test_the_v4_warmup_ratio_becomes_a_warmup_below_one():
+    """--warmup_ratio R (transformers 4) is --warmup_steps R in transformers 5; both given, or R outside [0, 1), is
+    refused in one line."""
+    from trainer_ext.config.optimizer import merge_warmup_ratio
+    from trainer_ext.errors import ArgumentsError
+
+    assert merge_warmup_ratio(0, 0.25) == 0.25 and merge_warmup_ratio(7, 0) == 7 and merge_warmup_ratio(7, None) == 7
+    assert merge_warmup_ratio(0, 0.0) == 0
+    with pytest.raises(ArgumentsError, match=r"^--warmup_ratio 0.1 and --warmup_steps 5 both set the warmup: give "
+                                             r"only one$"):
+        merge_warmup_ratio(5, 0.1)
+    for ratio in (1, 1.5, -0.5):
+        with pytest.raises(ArgumentsError, match=rf"^--warmup_ratio {ratio}: a ratio must be in \[0, 1\)$"):
+            merge_warmup_ratio(0, ratio)
+
+
+def test_settings_come_from_the_flags_a_user_gave(tmp_path):
+    """ExtTrainer trains with --learning_rate, --adam_beta1/2, --adam_epsilon, --weight_decay, --lr_scheduler_type,
+    --warmup_steps and --lr_scheduler_kwargs unless the script passes its own settings."""
+    args = ExtTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, learning_rate=3e-4,
+                                adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6, weight_decay=0.01,
+                                lr_scheduler_type="cosine_with_restarts", warmup_steps=0.2,
+                                lr_scheduler_kwargs={"num_cycles": 2})
+    assert OptimizerSettings.from_args(args) == OptimizerSettings(3e-4, (0.8, 0.95), 1e-6, 0.01)
+    assert SchedulerSettings.from_args(args) == SchedulerSettings("cosine_with_restarts", 0.2, {"num_cycles": 2})
+    assert SchedulerSettings() == SchedulerSettings("linear", 0, {}) and OptimizerSettings().lr == 5e-5
 
 
 def test_label_smoothing_on_a_causal_lm_shifts_labels(tmp_path):
@@ -237,3 +267,21 @@ def test_trainer_ext_trl_without_trl_says_what_to_install(monkeypatch):
     with pytest.raises(MissingLibraryError, match=r'trainer_ext.trl needs TRL.*pip install "trainer_ext\[trl\]"'):
         importlib.import_module("trainer_ext.trl")
     assert issubclass(MissingLibraryError, ImportError)
+
+
+def test_an_iterable_dataset_with_a_length_and_no_max_steps_is_one_line_before_training(tmp_path):
+    """transformers' own refusal of a stream without --max_steps misses an IterableDataset that defines __len__, which
+    ExtTrainer still trains on as a stream (read in order, an epoch without an end it can count): its line, not a
+    traceback from inside the training loop."""
+    from trainer_ext.errors import UserError
+
+    class Sized(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([dict(fixed_batch(), labels=torch.tensor(0))] * 8)
+
+        def __len__(self):
+            return 8
+
+    trainer = trainer_for(tmp_path, tiny_bert(), train_dataset=Sized())
+    with pytest.raises(UserError, match=r"^the training set \(Sized\) is a stream .*: give --max_steps "):
+        trainer.get_train_dataloader()

@@ -1,15 +1,13 @@
-"""Optimizer and scheduler settings as small dataclasses, filled from TrainingArguments or a config dict/file, and the
+"""Optimizer and scheduler settings as small dataclasses, filled from TrainingArguments (or built by the user), and the
 warmup rules every backend follows. Pure: no torch."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
-from ..errors import ArgumentsError, UserError
+from ..errors import ArgumentsError
 
 
 def warmup_steps(warmup: float, num_training_steps: int | None) -> int | None:
@@ -35,14 +33,6 @@ def merge_warmup_ratio(steps: float, warmup_ratio: float) -> float:
     return warmup_ratio
 
 
-def _from_mapping(cls, values: dict):
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise UserError(f"{cls.__name__}: unknown keys {unknown}; valid: {sorted(known)}")
-    return cls(**values)
-
-
 @dataclass
 class OptimizerSettings:
     """AdamW, as the Trainer builds it: no weight decay on biases and LayerNorm weights."""
@@ -55,17 +45,6 @@ class OptimizerSettings:
     @classmethod
     def from_args(cls, args) -> "OptimizerSettings":
         return cls(args.learning_rate, (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay)
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "OptimizerSettings":
-        values = dict(values)
-        if "betas" in values:
-            values["betas"] = tuple(values["betas"])
-        return _from_mapping(cls, values)
-
-    @classmethod
-    def from_file(cls, path) -> "OptimizerSettings":
-        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 @dataclass
@@ -80,14 +59,6 @@ class SchedulerSettings:
     def from_args(cls, args) -> "SchedulerSettings":
         kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
         return cls(kind, args.warmup_steps, dict(args.lr_scheduler_kwargs or {}))
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "SchedulerSettings":
-        return _from_mapping(cls, dict(values))
-
-    @classmethod
-    def from_file(cls, path) -> "SchedulerSettings":
-        return cls.from_dict(json.loads(Path(path).read_text()))
 
     def warmup_for(self, num_training_steps: int) -> int:
         return warmup_steps(self.warmup_steps, num_training_steps)

@@ -26,14 +26,14 @@ class ResumableBatchSampler(torch.utils.data.Sampler):
     per epoch, and the last global batch is completed from the next shuffle of the stream rather than padded."""
 
     def __init__(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = False, gradient_accumulation_steps: int = 1):
+                 drop_last: bool = False, gradient_accumulation_steps: int = 1):
         if num_samples <= 0:
             raise UserError("the training set is empty: give a train_dataset with at least one sample")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.num_samples, self.batch_size = num_samples, batch_size
         self.rank, self.world_size = rank, world_size
-        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.seed, self.drop_last = seed, drop_last
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.epoch = 0
         self.offset = 0  # stream position of optimizer step 0 (non-zero after resuming with another global batch)
@@ -55,11 +55,8 @@ class ResumableBatchSampler(torch.utils.data.Sampler):
     def data_order(self, data_epoch: int) -> list[int]:
         """Shuffle: one permutation of the dataset per pass over it, from seed + pass number."""
         if data_epoch not in self._orders:
-            if self.shuffle:
-                generator = torch.Generator().manual_seed(self.seed + data_epoch)
-                order = torch.randperm(self.num_samples, generator=generator).tolist()
-            else:
-                order = list(range(self.num_samples))
+            generator = torch.Generator().manual_seed(self.seed + data_epoch)
+            order = torch.randperm(self.num_samples, generator=generator).tolist()
             self._orders = {k: v for k, v in self._orders.items() if k >= data_epoch - 1}  # keep the cache small
             self._orders[data_epoch] = order
         return self._orders[data_epoch]
@@ -90,17 +87,16 @@ class ResumableBatchSampler(torch.utils.data.Sampler):
         """Where training stands after `global_step` optimizer steps."""
         return {"global_step": global_step, "samples_consumed": self.step_position(global_step),
                 "global_batch_size": self.global_batch_size,
-                "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle,
-                "world_size": self.world_size}
+                "num_samples": self.num_samples, "seed": self.seed, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> list[str]:
         """Continue at `state["samples_consumed"]` from optimizer step `state["global_step"]`; returns warnings for changes
         that alter the run (they never repeat or drop a sample of the stream; a changed order or size would)."""
         problems = [f"{key} changed from {state[key]} to {getattr(self, key)}"
-                    for key in ("num_samples", "seed", "shuffle") if key in state and state[key] != getattr(self, key)]
+                    for key in ("num_samples", "seed") if key in state and state[key] != getattr(self, key)]
         if problems:
             raise UserError("cannot continue the training order of the checkpoint: " + "; ".join(problems) +
-                             ". Resume with the same dataset, --seed/--data_seed and shuffling, or pass "
+                             ". Resume with the same dataset and --seed/--data_seed, or pass "
                              "--ignore_data_skip to restart the order (samples may repeat), or --fresh_start")
         self.offset = int(state["samples_consumed"]) - int(state["global_step"]) * self.global_batch_size
         warnings = []

@@ -152,11 +152,6 @@ def loss_sums(trainer):
     return trainer._tr_loss, trainer._total_loss_scalar
 
 
-def initial_global_step(trainer) -> int:
-    """The step this train() call started (resumed) at."""
-    return trainer._initial_global_step
-
-
 def set_wrapped_model(trainer, model) -> None:
     """What the Trainer runs and saves through (its model_wrapped)."""
     trainer.model_wrapped = model

@@ -1,0 +1,62 @@
+"""Packing and padding for causal LMs (data/packing.py) against rows worked out by hand: best-fit decreasing placement,
+each sample's own positions and unlabelled first token, and the collator's padding of plain and packed batches."""
+
+import pytest
+
+from trainer_ext.data.packing import CausalLMCollator, pack, pack_dataset, padded_length
+
+
+def test_best_fit_decreasing_places_each_sample_in_the_fullest_row_it_fits():
+    """Worked by hand (longest first, ties by index): 9 8 7 5 open rows, the second 5 fills the 5's row, 3 the 7's,
+    2 the 8's, 1 the 9's: 4 full rows. A first-fit or next-fit placement leaves other rows."""
+    assert pack([9, 2, 7, 3, 5, 5, 1, 8], 10) == [[0, 6], [1, 7], [2, 3], [4, 5]]
+    assert pack([6, 5, 4, 1], 10) == [[0, 2], [1, 3]]  # 4 into the 6's row (room 4), not the 5's (room 5)
+    assert pack([4, 4, 4], 10) == [[0, 1], [2]]
+    assert pack([10, 10], 10) == [[0], [1]] and pack([], 10) == []
+
+
+def test_a_sample_longer_than_a_row_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"^a sample of 11 tokens does not fit a row of 10$"):
+        pack([3, 11, 2], 10)
+
+
+def test_padded_length_is_the_fixed_length_else_the_longest_rounded_up():
+    assert padded_length(5, None, None) == 5 and padded_length(5, 8, None) == 8 and padded_length(8, 8, None) == 8
+    assert padded_length(9, 8, None) == 16 and padded_length(5, 8, 12) == 12
+
+
+def test_plain_samples_are_right_padded_with_a_mask_and_unlabelled_padding():
+    """Padding must neither be attended nor learnt."""
+    batch = CausalLMCollator(pad_id=0, pad_to_multiple_of=4)([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
+                                                              {"input_ids": [8], "labels": [8]}])
+    assert {key: value.tolist() for key, value in batch.items()} == {
+        "input_ids": [[5, 6, 7, 0], [8, 0, 0, 0]], "labels": [[-100, 6, 7, -100], [8, -100, -100, -100]],
+        "attention_mask": [[1, 1, 1, 0], [1, 0, 0, 0]]}
+
+
+def test_packed_rows_pad_with_positions_of_their_own_and_flatten_into_one_row():
+    """A packed row carries position ids (no attention mask: transformers builds each sample's mask from them); its
+    padding is a sample of its own (positions from 0); flattened, the rows are one row of batch size 1."""
+    rows = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "position_ids": [0, 1, 0]},
+            {"input_ids": [8, 9], "labels": [-100, 9], "position_ids": [0, 1]}]
+    batch = CausalLMCollator(pad_id=1, length=5)(rows)
+    assert {key: value.tolist() for key, value in batch.items()} == {
+        "input_ids": [[5, 6, 7, 1, 1], [8, 9, 1, 1, 1]], "labels": [[-100, 6, 7, -100, -100], [-100, 9, -100, -100, -100]],
+        "position_ids": [[0, 1, 0, 0, 1], [0, 1, 0, 1, 2]]}
+    flat = CausalLMCollator(pad_id=1, flatten=True)(rows)
+    assert {key: value.tolist() for key, value in flat.items()} == {
+        "input_ids": [[5, 6, 7, 8, 9, 1]], "labels": [[-100, 6, 7, -100, 9, -100]], "position_ids": [[0, 1, 0, 0, 1, 0]]}
+    assert CausalLMCollator(pad_id=1, length=2)(rows)["input_ids"].shape == (2, 3)  # never cut below the longest
+
+
+def test_pack_dataset_packs_a_datasets_dataset_into_rows():
+    """The recipe's packing of a tokenized set: best-fit rows of its samples, other columns dropped."""
+    import datasets
+
+    samples = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]],
+                                          "labels": [[1, 2, 3], [-100, 5], [6, 7, 8, 9], [10]],
+                                          "text": ["a", "b", "c", "d"]})
+    rows = pack_dataset(samples, 5)
+    assert rows.to_list() == [  # the longest sample opened the first row
+        {"input_ids": [6, 7, 8, 9, 10], "labels": [-100, 7, 8, 9, -100], "position_ids": [0, 1, 2, 3, 0]},
+        {"input_ids": [1, 2, 3, 4, 5], "labels": [-100, 2, 3, -100, 5], "position_ids": [0, 1, 2, 0, 1]}]
