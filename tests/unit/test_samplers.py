@@ -80,7 +80,8 @@ def test_a_changed_global_batch_repeats_and_drops_no_sample(new_batch, new_world
     assert warnings == [
         f"the global batch changed from 16 to {new_batch * new_world} (per-device batch x accumulation x world size): "
         "training continues at sample 80 of the same order, none repeated or dropped; from here on steps, epochs and "
-        "the learning-rate schedule count batches of the new size"]
+        "the learning-rate schedule count batches of the new size (--global_batch_size 16 keeps the old one on any "
+        "number of ranks)"]
     new_steps, _ = steps(37, new_batch, new_world, epochs=12, state=saved, first_step=5)
     trained = [i for step in old_steps[:5] for i in step] + [i for step in new_steps[:6] for i in step]
     reference = ResumableBatchSampler(37, 1, seed=3)

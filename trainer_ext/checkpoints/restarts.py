@@ -37,7 +37,8 @@ def checkpoint_to_resume(args) -> Path | None:
     if kind == FRESH or (kind == AUTO and getattr(args, "fresh_start", False)):
         return None
     if kind in (AUTO, NEWEST):
-        return newest_valid_checkpoint(checkpoint_folder(args))
+        folder = checkpoint_folder(args)  # None until transformers gives output_dir its default (trainer_output)
+        return newest_valid_checkpoint(folder) if folder else None
     return Path(requested) if Path(requested).is_dir() else None
 
 
