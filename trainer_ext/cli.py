@@ -311,7 +311,7 @@ def build_ops(argv: list[str]) -> int:
                                      description="Build DeepSpeed's JIT ops (its CPU all-reduce, FusedAdam, CPU Adam) "
                                                  "into this environment, so no DeepSpeed run builds them silently "
                                                  "first. Once per environment; they go to $TORCH_EXTENSIONS_DIR, else "
-                                                 "torch's ~/.cache/torch_extensions.")
+                                                 "the environment's own folder (sys.prefix/torch_extensions).")
     parser.add_argument("--only", nargs="+", metavar="OP",
                         help="build only these (deepspeed_shm_comm, fused_adam, cpu_adam): e.g. cpu_adam when every "
                              "run offloads its optimizer")

@@ -69,17 +69,18 @@ class DeepSpeedBackend(Backend):
         """Before DeepSpeed loads an op: no stale build locks or shared-memory buffers of killed jobs, a
         TORCH_CUDA_ARCH_LIST its op builder can read, the ops it will build said, and under ZeRO-3 DeepSpeed in the
         process group. On a machine without a GPU, DS_ACCELERATOR=cpu: DeepSpeed's own override for the choice it would
-        make anyway, without its "unable to detect" warning; and what DeepSpeed's import set, where a config check
-        imported it first and took it back."""
+        make anyway, without its "unable to detect" warning; TORCH_EXTENSIONS_DIR this environment's own folder for the
+        ops, unless set; and what DeepSpeed's import set, where a config check imported it first and took it back."""
         import os
 
         from .cuda_arch import prepare_for_deepspeed
         from .leftovers import clear_leftovers
-        from .ops import announce_builds, restore_import_environment
+        from .ops import announce_builds, restore_import_environment, use_environment_folder
         from ...environment.launcher import accelerator_available, cpu_ranks
 
         if "DS_ACCELERATOR" not in os.environ and not accelerator_available():
             os.environ["DS_ACCELERATOR"] = "cpu"
+        use_environment_folder()
         restore_import_environment()
         clear_leftovers()
         if not cpu_ranks(args):
