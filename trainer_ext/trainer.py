@@ -20,7 +20,7 @@ from transformers.trainer_pt_utils import find_batch_size
 from .training import progress
 from .backends import select_backend
 from .checkpoints.format import AUTO, newest_valid_checkpoint, read_data_state, read_loss_sum, resume_request
-from .data.loader import dataloader_with_batch_sampler, stream_dataloader
+from .data.loader import check_training_data, dataloader_with_batch_sampler, stream_dataloader
 from .config.batch import given_record
 from .data.samplers import ResumableBatchSampler, check_global_batch
 from .data.stream import TrainingStream, is_stream
@@ -64,6 +64,8 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                  class_weights=None, optimizer_settings: OptimizerSettings | None = None,
                  scheduler_settings: SchedulerSettings | None = None, **kwargs):
         _check_trl_arguments(type(self), args)
+        # transformers refuses a stream without max_steps in its __init__, with a traceback: said first
+        check_training_data(kwargs.get("train_dataset", positional[1] if len(positional) > 1 else None), args)
         prepare_process(args)  # the process set-up the arguments leave to training (once: sharded_loading may have)
         self.backend = select_backend(args)  # checks that it can run here
         super().__init__(model, args, *positional, **kwargs)
