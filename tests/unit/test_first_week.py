@@ -510,6 +510,46 @@ def test_ds_config_and_training_refuse_the_same_file(tmp_path, capsys):
     assert resolved.config["bf16"]["enabled"] is True and resolved.config["zero_optimization"]["reduce_bucket_size"] == 1000
 
 
+@pytest.mark.parametrize("optimizer,phrase", [
+    ({"type": "AdamW", "params": {"warmup": 5}},
+     'optimizer.params.warmup: not a parameter of FusedAdam, the optimizer DeepSpeed builds for optimizer.type "AdamW"; '
+     'a warmup belongs to the schedule: --warmup_steps N, or "scheduler": {"type": "WarmupLR", "params": '
+     '{"warmup_num_steps": N}}; it takes adam_w_mode, torch_adam, fp32_optimizer_states, lr, bias_correction, betas, '
+     "eps, weight_decay, amsgrad, set_grad_none"),
+    ({"type": "SGD", "params": {"momentun": 0.9}},
+     "optimizer.params.momentun: not a parameter of torch.optim.SGD, the optimizer DeepSpeed builds for optimizer.type "
+     "\"SGD\" (did you mean 'momentum'?)"),
+    ({"type": "AdamW", "params": {"max_grad_norm": 1.0}},
+     'optimizer.params.max_grad_norm: DeepSpeed refuses gradient clipping there: set "gradient_clipping"'),
+])
+def test_an_optimizer_parameter_the_optimizer_does_not_take_is_refused_by_ds_config_and_training(
+        tmp_path, capsys, optimizer, phrase):
+    """{"type": "AdamW", "params": {"warmup": 5}}: ds-config exit 0, then training loaded data and model and died on
+    every rank with `TypeError: FusedAdam.__init__() got an unexpected keyword argument 'warmup'`."""
+    config = {"optimizer": optimizer, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+    code, out, err = cli(capsys, "ds-config", "--deepspeed", json.dumps(config), "--output_dir", tmp_path / "out")
+    assert code == 2 and not out and phrase in err, err
+    assert phrase in training_refuses(tmp_path, config)
+
+
+def test_an_optimizer_parameter_is_checked_against_the_class_deepspeed_builds():
+    """The same optimizer.type builds another class with offload_optimizer or torch_adam: FusedAdam's set_grad_none
+    fails CPU Adam's constructor, and torch's AdamW takes foreach."""
+    from trainer_ext.deepspeed_config.passes import built_optimizer, optimizer_params_problems
+
+    def config(params, offload=None):
+        zero = {"stage": 2, **({"offload_optimizer": {"device": offload}} if offload else {})}
+        return {"optimizer": {"type": "AdamW", "params": params}, "zero_optimization": zero}
+
+    assert built_optimizer(config({}))[0] == "FusedAdam"
+    assert built_optimizer(config({}, "nvme"))[0] == built_optimizer(config({}, "cpu"))[0] == "DeepSpeedCPUAdam"
+    assert built_optimizer(config({"torch_adam": True}, "cpu"))[0] == "torch.optim.AdamW"
+    assert optimizer_params_problems(config({"set_grad_none": True})) == []
+    assert "not a parameter of DeepSpeedCPUAdam" in optimizer_params_problems(config({"set_grad_none": True}, "cpu"))[0]
+    assert optimizer_params_problems(config({"torch_adam": True, "foreach": False, "fused": False})) == []
+    assert built_optimizer({"optimizer": {"type": "Muon"}}) is None  # built from param groups: not checked
+
+
 def test_an_nvme_folder_is_checked_by_training_on_its_machine_not_by_ds_config(tmp_path, capsys):
     """ZeRO-3 offload to an nvme_path that does not exist: ds-config exited 0, and training built the cpu_adam op for
     minutes before dying with "cpu_adam op failed to build/load". ds-config may run on a login node: it notes the folder;

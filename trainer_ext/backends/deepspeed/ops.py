@@ -133,23 +133,13 @@ def needed_builders(config: dict, cpu_accelerator: bool) -> list[str]:
     """DeepSpeed's op builders a run of this resolved config loads (deepspeed/comm/torch.py and the engine's
     _configure_basic_optimizer): the shared-memory all-reduce on CPU ranks, the optimizer's fused or CPU kernel, and
     async_io for ZeRO-3's NVMe offload."""
-    from ...deepspeed_config.passes import nvme_offloads
+    from ...deepspeed_config.keys import OPTIMIZER_OPS
+    from ...deepspeed_config.passes import built_optimizer, nvme_offloads
 
     builders = ["ShareMemCommBuilder"] if cpu_accelerator else []
-    optimizer = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
-    name = str(optimizer.get("type", "")).lower()
-    params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
-    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
-    offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
-    on_cpu = offload.get("device") in ("cpu", "nvme") and zero.get("stage", 0) in (1, 2, 3)
-    if name in ("adam", "adamw") and params.get("torch_adam") is not True:
-        builders.append("CPUAdamBuilder" if on_cpu else "FusedAdamBuilder")
-    elif name == "lion":
-        builders.append("CPULionBuilder" if on_cpu else "FusedLionBuilder")
-    elif name == "adagrad" and on_cpu:
-        builders.append("CPUAdagradBuilder")
-    elif name == "lamb":
-        builders.append("FusedLambBuilder")
+    built = built_optimizer(config)
+    if built is not None and built[0] in OPTIMIZER_OPS:
+        builders.append(OPTIMIZER_OPS[built[0]])
     if nvme_offloads(config):
         builders.append("AsyncIOBuilder")
     return builders
