@@ -550,6 +550,26 @@ def test_an_optimizer_parameter_is_checked_against_the_class_deepspeed_builds():
     assert built_optimizer({"optimizer": {"type": "Muon"}}) is None  # built from param groups: not checked
 
 
+@pytest.mark.deepspeed
+def test_a_preset_name_needs_ext_arguments_and_its_file_serves_stock_ones(tmp_path):
+    """An own script with stock TrainingArguments and --deepspeed zero2_minimal died in three chained tracebacks from
+    transformers' __post_init__, before ExtTrainer existed, and no page said why: README and errors.md say presets are
+    ExtTrainingArguments' own and give the file instead. Fails when that stops being true, or said."""
+    from transformers import TrainingArguments
+
+    from trainer_ext.deepspeed_config.load import presets_dir
+
+    common = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match="Expected a string path to an existing deepspeed config"):
+        TrainingArguments(**common, deepspeed="zero2_minimal")
+    assert ExtTrainingArguments(**common, deepspeed="zero2_minimal").deepspeed_resolution is not None
+    TrainingArguments(**common, deepspeed=str(presets_dir() / "zero2_minimal.json"))  # the file the docs give
+    assert (REPO / "ds_configs" / "zero2_minimal.json").is_file()
+    for page in ("README.md", "docs/errors.md"):
+        text = " ".join((REPO / page).read_text().split())
+        assert "names are `ExtTrainingArguments`' own" in text and "`--deepspeed ds_configs/zero2_minimal.json`" in text
+
+
 def test_an_nvme_folder_is_checked_by_training_on_its_machine_not_by_ds_config(tmp_path, capsys):
     """ZeRO-3 offload to an nvme_path that does not exist: ds-config exited 0, and training built the cpu_adam op for
     minutes before dying with "cpu_adam op failed to build/load". ds-config may run on a login node: it notes the folder;
