@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -449,6 +450,39 @@ def test_data_files_and_commands_of_the_first_week(tmp_path, capsys, tiny_bert_d
     err = user_error(capsys, "run_glue", "--model_name_or_path", tiny_bert_dir, "--output_dir", tmp_path / "out",
                      *given, *FAST, *SHORT, *flags)
     assert phrase in err, err
+
+
+@pytest.fixture
+def unwritable_folder():
+    """A folder no process can create, root included (sysfs), the way a read-only file system refuses it."""
+    folder = Path("/sys/trainer-ext-test-cache")
+    try:
+        folder.mkdir()
+    except OSError:
+        return folder
+    folder.rmdir()
+    pytest.skip("/sys is writable here")
+
+
+@pytest.mark.parametrize("variable", ["HF_DATASETS_CACHE", "HF_HOME"])
+def test_a_datasets_cache_it_cannot_write_is_named_before_the_data_is_read(tmp_path, capsys, monkeypatch,
+                                                                             unwritable_folder, variable):
+    """A read-only HF_DATASETS_CACHE ended in filelock's `OSError: [Errno 30] Read-only file system` traceback from
+    load_dataset: one line naming the variable and the fix, before the data is read."""
+    import datasets.config
+
+    monkeypatch.setenv(variable, str(unwritable_folder))  # what datasets read when it was imported:
+    cache = unwritable_folder / "datasets" if variable == "HF_HOME" else unwritable_folder
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    if variable == "HF_HOME":
+        monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    err = user_error(capsys, "run_glue", "--output_dir", tmp_path / "out", "--do_train", *FAST)
+    named = (f"HF_DATASETS_CACHE={cache}" if variable == "HF_DATASETS_CACHE"
+             else f"HF_HOME={unwritable_folder} (datasets caches in {cache})")
+    assert f"error: {named}: cannot write there (" in err and "datasets writes its cache and lock files there" in err
+    assert ("point HF_DATASETS_CACHE at a folder you can write, or unset it" if variable == "HF_DATASETS_CACHE"
+            else "set HF_DATASETS_CACHE to a folder you can write") in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_qa_predict_and_translation_csv_are_named(tmp_path, capsys, tiny_bert_dir):

@@ -73,9 +73,10 @@ def load_raw(data_args: DataArguments, training_args=None):
     import datasets
 
     from .common import check_needed_splits, reading, shipped_data_note
-    from .data_checks import load_files
+    from .data_checks import check_datasets_cache, load_files
 
     if data_args.dataset_name is not None:
+        check_datasets_cache()
         with reading("--dataset_name", data_args.dataset_name, "dataset"):
             return datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
     files = data_args.data_files()
