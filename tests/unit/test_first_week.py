@@ -63,6 +63,34 @@ def test_report_to_typo_in_an_experiment_file_is_refused_by_check(tmp_path, caps
     assert status == 2 and "did you mean 'tensorboard'?" in capsys.readouterr().err
 
 
+# -- --push_to_hub ------------------------------------------------------------------------------------------------------
+
+def test_push_to_hub_where_the_hub_cannot_be_reached_is_one_line(tmp_path, capsys, monkeypatch):
+    """--push_to_hub offline ended in huggingface_hub's OfflineModeIsEnabled traceback from Trainer.__init__, after data
+    and model were loaded: refused at parsing when HF_HUB_OFFLINE is set (also for stock arguments, by ExtTrainer), and
+    one line when the Hub cannot be reached otherwise."""
+    import huggingface_hub.constants
+    from transformers import TrainingArguments
+
+    from conftest import free_port
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # what huggingface_hub read at import
+    offline = "--push_to_hub: HF_HUB_OFFLINE is set, so nothing can reach the Hub: drop --push_to_hub"
+    assert offline in parse_error(capsys, tmp_path, "--push_to_hub")
+    stock = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, push_to_hub=True)
+    with pytest.raises(UserError, match=re.escape(offline)):
+        ExtTrainer(model=tiny_bert(), args=stock)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    with pytest.raises(UserError, match="--push_to_hub: the Hub repository could not be created \\(.*\\): check the "
+                                        "network and your token"):
+        ExtTrainer(model=tiny_bert(), args=ExtTrainingArguments(output_dir=str(tmp_path / "out"), report_to="none",
+                                                                use_cpu=True, push_to_hub=True))
+
+
 # -- flags transformers 5 removed --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv,phrase", [

@@ -26,7 +26,7 @@ from ..environment.launcher import check_fp16_device, check_rank_variables, laun
 from ..environment.sagemaker import prepare_arguments as prepare_sagemaker
 from ..environment.sagemaker import spread_lists
 from .batch import batch_fields
-from .checks import (FP16_BACKENDS, FP16_OPT_LEVELS, flag_problems, package_problems, read_text_flags,
+from .checks import (FP16_BACKENDS, FP16_OPT_LEVELS, flag_problems, hub_problems, package_problems, read_text_flags,
                      shown_storage_options)
 from .settings import write
 
@@ -139,7 +139,7 @@ class ExtTrainingArguments(TrainingArguments):
         check_rank_variables()  # leftover WORLD_SIZE/RANK without a launcher: seconds, not a wait for peers forever
         write(self, prepare_sagemaker(self))  # in a SageMaker job: where the model and checkpoints go; nothing elsewhere
         # What this machine cannot change (trainer-ext ds-config runs the same), then the packages the flags need here.
-        if problems := flag_problems(self) + package_problems(self):
+        if problems := flag_problems(self) + package_problems(self) + hub_problems(self):
             raise ArgumentsError("\n".join(problems))
         write(self, read_text_flags(self))
         # The global batch over this start's ranks (--global_batch_size, or the resumed run's), before DeepSpeed's
