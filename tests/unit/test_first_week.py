@@ -435,13 +435,98 @@ def test_plan_refuses_counts_and_sizes_that_plan_nothing(capsys):
 
 def test_a_misspelled_search_flag_suggests_the_search_flag():
     """`trainer-ext search exp.yaml --max_trial 3` said "did you mean --max_train_samples?" (the trials' flags only)."""
-    from trainer_ext.cli import search_flags_misspelled, search_parser
+    from trainer_ext.cli import own_flags_misspelled, search_parser
 
-    kept, problems = search_flags_misspelled(search_parser(), ["--max_trial", "3", "--learning_rate", "1e-4",
-                                                               "--paralel_trials=2", "--max_train_samples", "8"])
+    kept, problems = own_flags_misspelled(search_parser(), ["--max_trial", "3", "--learning_rate", "1e-4",
+                                                            "--paralel_trials=2", "--max_train_samples", "8"])
     assert kept == ["--learning_rate", "1e-4", "--max_train_samples", "8"]
     assert problems == ["unrecognized argument --max_trial (did you mean --max_trials?)",
                         "unrecognized argument --paralel_trials=2 (did you mean --parallel_trials?)"]
+
+
+# -- round 3's smaller cases (issue 48) -------------------------------------------------------------------------------
+
+def test_an_output_dir_inside_a_file_says_it_is_a_file(tmp_path):
+    """`--output_dir p1/README.md/run` where README.md is a file said "is not writable"."""
+    (tmp_path / "README.md").write_text("a file")
+    with pytest.raises(ArgumentsError, match=re.escape(f"--output_dir {tmp_path / 'README.md' / 'run'}: "
+                                                       f"{tmp_path / 'README.md'} is a file, so no folder can be made")):
+        ExtTrainingArguments(output_dir=str(tmp_path / "README.md" / "run"), report_to="none")
+
+
+def test_plan_without_activations_calls_nothing_a_fit(capsys):
+    """`plan --num_parameters 7B --world_size 8 --bf16 --device_memory 40GB` said "activations not estimated" and named
+    zero1 as fitting with 1.4 GiB left."""
+    code, out, _ = cli(capsys, "plan", "--num_parameters", "7B", "--world_size", "8", "--bf16", "--device_memory",
+                       "40GB")
+    assert code == 0 and "cheapest that fits" not in out
+    assert out.splitlines()[-1] == (
+        "nothing is called a fit in 37.25 GiB without the activations: the cheapest whose model states fit is zero1 "
+        "(35.86 GiB per rank, 1.40 GiB left for the activations); give --model (the model's folder or config.json) "
+        "to know what fits")
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("ddp ", "zero1 "))}
+    assert rows["ddp"][-3] == "no" and rows["zero1"][-5] == "?"  # over the device by its states alone / unknown
+
+
+def test_merge_of_a_folder_that_does_not_exist_says_so(tmp_path, capsys):
+    """`trainer-ext merge out/lora_run` of a folder that does not exist said it held no adapter_config.json."""
+    (tmp_path / "lora-run").mkdir()
+    code, _, err = cli(capsys, "merge", tmp_path / "lora_run", "--output_dir", tmp_path / "merged")
+    assert code == 2 and (f"{tmp_path / 'lora_run'} does not exist (did you mean {tmp_path / 'lora-run'}?): give a "
+                          "LoRA run's output_dir or one of its checkpoint-N folders") in err
+
+
+# -- suggestions ------------------------------------------------------------------------------------------------------
+
+EXPERIMENT = str(REPO / "experiments" / "classification.yaml")
+# Typos users made (issue 48's, and the first weeks' before it): (command, its words, what it must suggest). One engine
+# (errors.closest) ranks the flags of every command and subcommand.
+REAL_TYPOS = [
+    (["train", EXPERIMENT, "--chek"], "--check"),  # said: did you mean --help?
+    (["plan", "--num_paramters", "7B", "--world_size", "8"], "--num_parameters"),  # said: argparse's bare error
+    (["plan", "--model", "m", "--world_size", "8", "--lora_r", "8", "--lora_alhpa", "16"], "--lora_alpha"),
+    (["plan", "--num_parameters", "7B", "--worldsize", "8"], "--world_size"),
+    (["build-ops", "--onlyy", "cpu_adam"], "--only"),  # said: argparse's bare error
+    (["merge", "out/lora", "--ouput_dir", "out/merged"], "--output_dir"),
+    (["search", EXPERIMENT, "--max_trial", "3"], "--max_trials"),
+    (["ds-config", "--deepspeed", "zero2", "--world-size", "2"], "--world_size"),
+    (["ds-config", "--per_device_batch_size", "4"], "--per_device_train_batch_size"),  # said: ..._eval_batch_size
+    (["train", EXPERIMENT, "--gradient_accumulation", "4"], "--gradient_accumulation_steps"),
+    (["train", EXPERIMENT, "--learning_rat", "1e-4"], "--learning_rate"),
+    (["train", EXPERIMENT, "--num_train_epoch", "2"], "--num_train_epochs"),
+    (["train", EXPERIMENT, "--max_seq_len", "64"], "--max_seq_length"),
+    (["train", EXPERIMENT, "--model_name", "m"], "--model_name_or_path"),
+]
+
+
+@pytest.mark.parametrize("argv,hint", REAL_TYPOS, ids=[" ".join(argv[:1] + argv[2 if argv[0] in ("train", "search")
+                                                                                 else 1:][:2]) for argv, _ in REAL_TYPOS])
+def test_every_command_suggests_the_flag_a_typo_meant(capsys, argv, hint):
+    """`trainer-ext train x.yaml --chek` suggested --help, `plan --num_paramters` and `build-ops --onlyy` said argparse's
+    bare "unrecognized arguments", `--per_device_batch_size` pointed at the eval batch: each typo names what it meant,
+    in one line, exit 2, before any work."""
+    code, out, err = cli(capsys, *argv)
+    typo = next(word for word in argv if word.startswith("--") and word.split("=")[0] != hint and word not in (
+        "--world_size", "--model", "--num_parameters", "--deepspeed", "--lora_r"))
+    assert code == 2 and not out and "Traceback" not in err, err
+    assert f"unrecognized argument {typo} (did you mean {hint}?)" in err.splitlines()[0], err
+
+
+def test_lora_rank_is_lora_r_as_in_llama_factory(tmp_path, capsys):
+    """`run_clm.py --lora_rank 16` said "did you mean --local_rank?" and `trainer-ext plan --lora_rank 16` argparse's bare
+    error: LLaMA-Factory's (and many scripts') name is taken as --lora_r."""
+    from trainer_ext.config.experiment_file import argument_classes
+
+    model, _, _ = ExtArgumentParser(argument_classes("causal_lm")).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--lora_rank", "16"])
+    assert model.lora_r == 16
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256).save_pretrained(tmp_path / "llama")
+    runs = {flag: cli(capsys, "plan", "--model", tmp_path / "llama", "--world_size", "1", flag, "16", "--json")
+            for flag in ("--lora_rank", "--lora_r")}
+    assert runs["--lora_rank"][0] == 0 and runs["--lora_rank"] == runs["--lora_r"]
 
 
 # -- data files and commands that did nothing --------------------------------------------------------------------------
@@ -630,6 +715,37 @@ def test_a_preset_name_needs_ext_arguments_and_its_file_serves_stock_ones(tmp_pa
     for page in ("README.md", "docs/errors.md"):
         text = " ".join((REPO / page).read_text().split())
         assert "names are `ExtTrainingArguments`' own" in text and "`--deepspeed ds_configs/zero2_minimal.json`" in text
+
+
+def test_an_empty_deepspeed_file_is_refused_and_braces_alone_are_said(tmp_path, capsys):
+    """A 0-byte DeepSpeed file (and `{}`) trained ZeRO-2 with defaults without a word: 0 bytes is not JSON (refused by
+    ds-config and training alike); `{}` is said once, by ds-config and with the run's settings."""
+    empty, braces = tmp_path / "empty.json", tmp_path / "braces.json"
+    empty.write_text("")
+    braces.write_text("{}\n")
+    refused = f"--deepspeed {empty}: the file is empty (0 bytes), which is not JSON: write {{}} in it"
+    code, out, err = cli(capsys, "ds-config", "--deepspeed", empty, "--output_dir", tmp_path / "out")
+    assert code == 2 and not out and refused in err
+    assert refused in training_refuses(tmp_path, str(empty))
+    said = f"the DeepSpeed file {braces} is empty ({{}}): ZeRO-2 with trainer_ext's defaults and your flags"
+    code, out, err = cli(capsys, "ds-config", "--deepspeed", braces, "--output_dir", tmp_path / "out")
+    assert code == 0 and json.loads(out)["zero_optimization"]["stage"] == 2 and err.count(said) == 1
+    args = ExtTrainingArguments(output_dir=str(tmp_path / "out"), deepspeed=str(braces), use_cpu=True, report_to="none")
+    assert args.deepspeed_resolution.notes.count(said) == 1  # printed with the run's settings when training starts
+    code, _, err = cli(capsys, "ds-config", "--output_dir", tmp_path / "out")  # no file at all: nothing to say
+    assert code == 0 and "is empty" not in err
+
+
+def test_ds_config_says_the_notes_training_says(tmp_path, capsys):
+    """A stage-2 file offloading the optimizer to "nvme": training noted that it trains as "cpu", ds-config printed
+    nothing."""
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    code, _, err = cli(capsys, "ds-config", "--deepspeed", json.dumps(config), "--output_dir", tmp_path / "out")
+    notes = ExtTrainingArguments(output_dir=str(tmp_path / "out"), deepspeed=config, use_cpu=True,
+                                 report_to="none").deepspeed_resolution.notes
+    assert code == 0 and any('"nvme" at stage 2' in note and 'it trains as "cpu"' in note for note in notes)
+    assert [line.removeprefix("trainer-ext ds-config: note: ") for line in err.splitlines() if " note: " in line
+            and "nvme_path" not in line.split(" note: ")[0]] == notes
 
 
 def test_an_nvme_folder_is_checked_by_training_on_its_machine_not_by_ds_config(tmp_path, capsys):
