@@ -76,7 +76,7 @@ def data_origin(dataset) -> dict | None:
     its length is kept); None for a stream."""
     try:
         count = len(dataset)
-    except TypeError:
+    except (TypeError, NotImplementedError):
         return None
     rows = None
     indices = sorted({round(i * (count - 1) / max(1, SAMPLED_ROWS - 1)) for i in range(min(count, SAMPLED_ROWS))})
