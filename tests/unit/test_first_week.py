@@ -488,7 +488,7 @@ REAL_TYPOS = [
     (["plan", "--num_parameters", "7B", "--worldsize", "8"], "--world_size"),
     (["build-ops", "--onlyy", "cpu_adam"], "--only"),  # said: argparse's bare error
     (["merge", "out/lora", "--ouput_dir", "out/merged"], "--output_dir"),
-    (["search", EXPERIMENT, "--max_trial", "3"], "--max_trials"),
+    # search's own flags: test_a_misspelled_search_flag_suggests_the_search_flag (its check reads the whole experiment)
     (["ds-config", "--deepspeed", "zero2", "--world-size", "2"], "--world_size"),
     (["ds-config", "--per_device_batch_size", "4"], "--per_device_train_batch_size"),  # said: ..._eval_batch_size
     (["train", EXPERIMENT, "--gradient_accumulation", "4"], "--gradient_accumulation_steps"),
