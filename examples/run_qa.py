@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO))  # run from a source checkout without installing
 
 from trainer_ext import ExtArgumentParser, ExtTrainingArguments  # noqa: E402
 from trainer_ext.errors import exit_process, user_errors  # noqa: E402
+from trainer_ext.tasks.common import say_model_saved  # noqa: E402
 from trainer_ext.tasks.qa import DataArguments, ModelArguments, run  # noqa: E402
 
 
@@ -34,8 +35,7 @@ def main(argv=None):
             if f"{prefix}_f1" in results:
                 print(f"validation{label}: exact match {results[f'{prefix}_exact_match']:.2f}, "
                       f"F1 {results[f'{prefix}_f1']:.2f}", flush=True)
-        if training_args.do_train:
-            print(f"model saved to {Path(training_args.output_dir).resolve()}", flush=True)
+        say_model_saved(training_args)
 
 
 if __name__ == "__main__":

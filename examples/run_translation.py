@@ -20,6 +20,7 @@ import transformers  # noqa: E402
 
 from trainer_ext import ExtArgumentParser, ExtSeq2SeqTrainingArguments  # noqa: E402
 from trainer_ext.errors import exit_process, user_errors  # noqa: E402
+from trainer_ext.tasks.common import say_model_saved  # noqa: E402
 from trainer_ext.tasks.translation import DataArguments, ModelArguments, run  # noqa: E402
 
 
@@ -35,8 +36,7 @@ def main(argv=None):
             if f"{prefix}_bleu" in metrics:
                 print(f"validation BLEU {when}: {metrics[f'{prefix}_bleu']:.2f}" if prefix != "predict" else
                       f"test BLEU: {metrics['predict_bleu']:.2f}", flush=True)
-        if training_args.do_train:
-            print(f"model saved to {Path(training_args.output_dir).resolve()}", flush=True)
+        say_model_saved(training_args)
 
 
 if __name__ == "__main__":

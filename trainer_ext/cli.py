@@ -71,6 +71,9 @@ def ds_config(argv: list[str]) -> int:
         print(f"trainer-ext ds-config: error: {err}", file=sys.stderr)
         return 2
     print(explain(resolution) if args.explain else json.dumps(resolution.config, indent=2))
+    if not args.explain:  # the notes training says with its settings (--explain lists them)
+        for note in resolution.notes:
+            print(f"trainer-ext ds-config: note: {note}", file=sys.stderr)
     for field, path in nvme_offloads(resolution.config):  # a machine's folder: this may be a login node
         print(f"trainer-ext ds-config: note: {field} {path} is not checked here; training checks on each machine, "
               "before any work, that it is a folder there that it can write", file=sys.stderr)
@@ -78,20 +81,23 @@ def ds_config(argv: list[str]) -> int:
 
 
 def train(argv: list[str]) -> int:
-    import argparse
     import logging
 
     from .config.experiment_file import ExperimentError, load_experiment
+    from .errors import CommandParser
 
-    parser = argparse.ArgumentParser(prog="trainer-ext train", allow_abbrev=False,
-                                     description="Validate an experiment file, then train it.",
-                                     epilog="Relative paths in the file are relative to its folder. Any other flag "
-                                            "of the task's model, data or training arguments (those of its script in "
-                                            "examples/) overrides the file's value, e.g. --max_steps 5 --learning_rate "
-                                            "1e-4; paths given as flags are relative to the current directory.")
+    parser = CommandParser(prog="trainer-ext train",
+                           description="Validate an experiment file, then train it.",
+                           epilog="Relative paths in the file are relative to its folder. Any other flag "
+                                  "of the task's model, data or training arguments (those of its script in "
+                                  "examples/) overrides the file's value, e.g. --max_steps 5 --learning_rate "
+                                  "1e-4; paths given as flags are relative to the current directory.")
     parser.add_argument("experiment", help="YAML file with task, hyperparameters, data and a backend")
     parser.add_argument("--check", action="store_true", help="validate only: print the resolved values")
     args, flags = parser.parse_known_args(experiment_first(argv))
+    flags, misspelled = own_flags_misspelled(parser, flags)
+    if misspelled:
+        parser.error("; ".join(misspelled))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     try:
         experiment = load_experiment(args.experiment, flags)
@@ -129,13 +135,13 @@ def experiment_first(argv: list[str]) -> list[str]:
 
 def search_parser():
     """`trainer-ext search`'s own flags (every other flag goes to the trials)."""
-    import argparse
+    from .errors import CommandParser
 
-    parser = argparse.ArgumentParser(prog="trainer-ext search", allow_abbrev=False,
-                                     description="Search the hyperparameters of an experiment file's search section.",
-                                     epilog="Any other flag of `trainer-ext train` is given to every trial, e.g. "
-                                            "--max_steps 200. A stopped or killed search continues when the same "
-                                            "command runs again.")
+    parser = CommandParser(prog="trainer-ext search",
+                           description="Search the hyperparameters of an experiment file's search section.",
+                           epilog="Any other flag of `trainer-ext train` is given to every trial, e.g. "
+                                  "--max_steps 200. A stopped or killed search continues when the same "
+                                  "command runs again.")
     parser.add_argument("experiment", help="YAML file with a search section")
     parser.add_argument("--launcher", default="python", help="python (one process, default), torchrun, deepspeed "
                                                              "or torch.distributed.launch")
@@ -158,7 +164,7 @@ def search(argv: list[str]) -> int:
 
     parser = search_parser()
     args, flags = parser.parse_known_args(experiment_first(argv))
-    flags, misspelled = search_flags_misspelled(parser, flags)
+    flags, misspelled = own_flags_misspelled(parser, flags)
 
     from .search import require_optuna
     from .search.check import validate
@@ -195,9 +201,10 @@ def search(argv: list[str]) -> int:
                   result["checkpoint_uri"], result["storage_options"]).run()
 
 
-def search_flags_misspelled(parser, flags: list[str]) -> tuple[list[str], list[str]]:
-    """(the flags for the trials, one problem per flag that is no task's but a near miss of the search's own): the
-    trials' parser suggested the closest task flag, --max_trial -> --max_train_samples."""
+def own_flags_misspelled(parser, flags: list[str]) -> tuple[list[str], list[str]]:
+    """(the flags for the task, one problem per flag that is no task's and whose closest flag among the task's and the
+    command's own is the command's: `train x.yaml --chek` said "did you mean --help?", `search --max_trial` "did you
+    mean --max_train_samples?", since only the task's parser saw them). A misspelled flag's value goes with it."""
     from .config.experiment_file import argument_classes
     from .tasks import TASKS
     from .config.flags import ExtArgumentParser
@@ -210,9 +217,9 @@ def search_flags_misspelled(parser, flags: list[str]) -> tuple[list[str], list[s
     tasks = {option for task in TASKS for action in ExtArgumentParser(argument_classes(task))._actions
              for option in action.option_strings}
     near = {word: hint for word in words if word.split("=")[0] not in tasks
-            and (hint := closest(word.split("=")[0], own, cutoff=0.85))}
+            and (hint := closest(word.split("=")[0], [*own, *sorted(tasks)])) in own}
     kept, skip = [], False
-    for word in flags:  # a misspelled flag's value goes with it
+    for word in flags:
         if skip and not word.startswith("-"):
             skip = False
             continue
@@ -223,14 +230,13 @@ def search_flags_misspelled(parser, flags: list[str]) -> tuple[list[str], list[s
 
 
 def plan(argv: list[str]) -> int:
-    import argparse
-
+    from .errors import CommandParser
     from .planner import (PlanError, ModelSize, lora_settings, model_size, parse_bytes, parse_count, plan as make_plan,
                           render)
 
-    parser = argparse.ArgumentParser(prog="trainer-ext plan", description="Predict per-rank training memory of "
-                                     "every backend from the model's parameter count and shape (full fine-tuning or "
-                                     "LoRA).", allow_abbrev=False)
+    parser = CommandParser(prog="trainer-ext plan",
+                           description="Predict per-rank training memory of every backend from the model's parameter "
+                                       "count and shape (full fine-tuning or LoRA).")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", help="model folder (.safetensors weights or config.json), config.json or .safetensors")
     what.add_argument("--num_parameters", help="parameter count instead of a model (22713216, 350M, 7e9)")
@@ -252,7 +258,8 @@ def plan(argv: list[str]) -> int:
                         help="the model's attention: sdpa (PyTorch's fused kernels, transformers' default) keeps no "
                              "a*s^2 activations; eager does")
     lora = parser.add_argument_group("LoRA (peft): the base frozen in the compute dtype, the adapters trained")
-    lora.add_argument("--lora_r", type=int, help="the adapters' rank: plan a LoRA fine-tune")
+    lora.add_argument("--lora_r", "--lora_rank", type=int,
+                      help="the adapters' rank: plan a LoRA fine-tune (--lora_rank: LLaMA-Factory's name)")
     lora.add_argument("--lora_target_modules", help="comma-separated modules of each layer (default q_proj,v_proj, "
                                                     "peft's for the Llama family), or all-linear")
     lora.add_argument("--lora_dropout", type=float, default=0.0, help="peft's lora_dropout (default 0)")
@@ -293,8 +300,9 @@ def plan(argv: list[str]) -> int:
     if args.json:
         import dataclasses
 
-        best = result.cheapest_fitting()
-        print(json.dumps({**dataclasses.asdict(result), "cheapest_fitting": best.backend if best else None},
+        best, states = result.cheapest_fitting(), result.cheapest_states_fitting()
+        print(json.dumps({**dataclasses.asdict(result), "cheapest_fitting": best.backend if best else None,
+                          "cheapest_model_states_fitting": states.backend if states else None},
                          indent=2))
     else:
         print(render(result))
@@ -302,16 +310,16 @@ def plan(argv: list[str]) -> int:
 
 
 def build_ops(argv: list[str]) -> int:
-    import argparse
     import importlib.util
 
     from .backends.deepspeed.backend import INSTALL
+    from .errors import CommandParser
 
-    parser = argparse.ArgumentParser(prog="trainer-ext build-ops", allow_abbrev=False,
-                                     description="Build DeepSpeed's JIT ops (its CPU all-reduce, FusedAdam, CPU Adam) "
-                                                 "into this environment, so no DeepSpeed run builds them silently "
-                                                 "first. Once per environment; they go to $TORCH_EXTENSIONS_DIR, else "
-                                                 "torch's ~/.cache/torch_extensions.")
+    parser = CommandParser(prog="trainer-ext build-ops",
+                           description="Build DeepSpeed's JIT ops (its CPU all-reduce, FusedAdam, CPU Adam) "
+                                       "into this environment, so no DeepSpeed run builds them silently "
+                                       "first. Once per environment; they go to $TORCH_EXTENSIONS_DIR, else "
+                                       "the environment's own folder (sys.prefix/torch_extensions).")
     parser.add_argument("--only", nargs="+", metavar="OP",
                         help="build only these (deepspeed_shm_comm, fused_adam, cpu_adam): e.g. cpu_adam when every "
                              "run offloads its optimizer")
@@ -326,13 +334,12 @@ def build_ops(argv: list[str]) -> int:
 
 
 def merge(argv: list[str]) -> int:
-    import argparse
-
+    from .errors import CommandParser
     from .tasks.merge import DTYPES, merge_adapter
 
-    parser = argparse.ArgumentParser(prog="trainer-ext merge", allow_abbrev=False,
-                                     description="Fold a LoRA adapter into its base model's weights and save a plain "
-                                                 "model folder (no peft needed to load it).")
+    parser = CommandParser(prog="trainer-ext merge",
+                           description="Fold a LoRA adapter into its base model's weights and save a plain "
+                                       "model folder (no peft needed to load it).")
     parser.add_argument("adapter_dir", help="a LoRA run's output_dir or one of its checkpoint-N folders")
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--base_model", help="default: adapter_config.json's base_model_name_or_path")

@@ -5,8 +5,10 @@ TRAINER_EXT_DEBUG=1 shows the traceback of a user error too (`--debug` is transf
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import os
+import re
 import sys
 import time
 from contextlib import contextmanager
@@ -32,10 +34,74 @@ class MissingLibraryError(UserError, ImportError):
     catches it too)."""
 
 
+def similarity(word, choice) -> float:
+    """How likely `choice` is what a user meant by `word`, 0 to 1: difflib's ratio of the two, with dashes, underscores
+    and case alike, raised where the word is the choice cut short or one letter longer (--onlyy,
+    --gradient_accumulation, --lora_rank for --lora_r) or the choice's words with one left out or added
+    (--per_device_batch_size: a plain ratio preferred --per_device_eval_batch_size)."""
+    a, b = (str(text).lstrip("-").lower().replace("-", "_") for text in (word, choice))
+    if not a or not b:
+        return 0.0
+    score = difflib.SequenceMatcher(None, a, b).ratio()
+    short, long = sorted((a, b), key=len)
+    if long.startswith(short) and len(short) >= 3:
+        score = max(score, 0.8 + 0.2 * len(short) / len(long))
+    words_a, words_b = set(filter(None, a.split("_"))), set(filter(None, b.split("_")))
+    if len(words_a | words_b) > 1 and (words_a <= words_b or words_b <= words_a):
+        score = max(score, 0.7 + 0.3 * len(words_a & words_b) / len(words_a | words_b))
+    return score
+
+
 def closest(word, choices, cutoff: float = 0.6) -> str | None:
-    """The valid choice a mistyped word most likely meant (for "did you mean ...?"), or None."""
-    hits = difflib.get_close_matches(str(word), [str(choice) for choice in choices], n=1, cutoff=cutoff)
-    return hits[0] if hits else None
+    """The valid choice a mistyped word most likely meant (for "did you mean ...?"), or None: the one suggestion
+    engine of every command, flag, key and value (the first of equally likely choices)."""
+    scored = [(similarity(word, choice), -index, str(choice)) for index, choice in enumerate(choices)]
+    best = max(scored, default=None)
+    return best[2] if best is not None and best[0] >= cutoff else None
+
+
+def unrecognized_arguments(words, valid) -> list[str]:
+    """One message per word of a command line its parser does not take, with the closest valid flag: the flags
+    among them (a flag's value is not named with it), else every word."""
+    flags = [word.split("=")[0] for word in words if str(word).startswith("-")]
+    return [f"unrecognized argument {word}" + (f" (did you mean {hint}?)" if (hint := closest(word, valid)) else "")
+            for word in flags or words]
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse for trainer-ext's subcommands, as ExtArgumentParser is for training flags: abbreviations refused
+    (--only for --onlyy would be a silent guess), a flag it does not take named with the closest one before anything
+    else is checked (argparse said "unrecognized arguments" bare, or first that a required flag was missing), and
+    errors in one line, once on N ranks."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help for all flags)\n" if main_process()
+                  else None)
+
+    def unknown_flags(self, argv) -> list[str]:
+        """The words of argv that look like a flag this parser does not take (before any "--")."""
+        options = {option for action in self._actions for option in action.option_strings}
+        unknown = []
+        for word in argv:
+            if word == "--":
+                break
+            if str(word).startswith("-") and not NUMBER.match(str(word)) and str(word).split("=")[0] not in options:
+                unknown.append(str(word))
+        return unknown
+
+    def parse_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else [str(word) for word in args]
+        if unknown := self.unknown_flags(argv):
+            self.error("; ".join(unrecognized_arguments(
+                unknown, [option for action in self._actions for option in action.option_strings])))
+        return super().parse_args(argv, namespace)
+
+
+NUMBER = re.compile(r"^-\d|^-\.\d")  # a negative number is a value, not a flag
 
 
 def debugging() -> bool:

@@ -157,7 +157,8 @@ class Estimate:
     communication: float
     cuda_only: bool
     note: str = ""
-    fits: bool | None = None
+    fits: bool | None = None  # None: not considered (offload not asked for), or its activations are unknown
+    considered: bool = False  # weighed against the device's memory
 
     @property
     def model_states(self) -> float:
@@ -187,6 +188,11 @@ class Plan:
 
     def cheapest_fitting(self) -> Estimate | None:
         return next((e for e in self.estimates if e.fits), None)
+
+    def cheapest_states_fitting(self) -> Estimate | None:
+        """Without activations (the model's shape unknown) nothing is called a fit: the cheapest whose model states
+        alone fit, and so might."""
+        return next((e for e in self.estimates if e.fits is None and e.activations is None and e.considered), None)
 
 
 ATTENTION = ("sdpa", "eager")
@@ -376,7 +382,10 @@ def plan(size: ModelSize, world_size: int, precision: str = "fp32", offload: boo
         for estimate in estimates:
             # Offloading trades step time for device memory: a candidate only when asked for (--offload).
             if offload or estimate.host == 0:
-                estimate.fits = estimate.device_total <= device_memory
+                estimate.considered = True
+                # Model states alone over the device: no fit. Under it with activations unknown: not known.
+                fits = estimate.device_total <= device_memory
+                estimate.fits = fits if estimate.activations is not None or not fits else None
     result = Plan(size, world_size, precision, estimates, device_memory,
                   activation_note(size, attention, lora, gradient_checkpointing, mixed), offload=offload,
                   trainable_parameters=trainable, lora=lora,
@@ -622,7 +631,7 @@ def render(result: Plan) -> str:
                "host", "comm", "fits", "flag"]
     rows = []
     for e in result.estimates:
-        fits = "yes" if e.fits else "no" if e.fits is not None else "-"
+        fits = "yes" if e.fits else "no" if e.fits is not None else "?" if e.considered else "-"
         rows.append([e.backend + (" (CUDA)" if e.cuda_only else ""), _size(e.params), _size(e.grads),
                      _size(e.optimizer), _size(e.model_states),
                      "?" if e.activations is None else _size(e.activations), _size(e.device_total),
@@ -643,9 +652,15 @@ def render(result: Plan) -> str:
     lines.append("comm: communication volume per step relative to DDP's all-reduce (ZeRO paper)")
     lines += [f"{e.backend}: {e.note}" for e in result.estimates if e.note]
     lines += [f"note: {note}" for note in result.notes]
-    if result.device_memory is not None and not result.offload and result.cheapest_fitting() is None:
+    states = result.cheapest_states_fitting() if result.device_memory is not None else None
+    if result.device_memory is not None and not result.offload and result.cheapest_fitting() is None and not states:
         lines.append("note: without --offload, ZeRO-2 and ZeRO-3 with offload to CPU memory are not considered")
-    if result.device_memory is not None:
+    if states is not None:
+        lines.append(f"nothing is called a fit in {_size(result.device_memory)} {unit} without the activations: the "
+                     f"cheapest whose model states fit is {states.backend} ({_size(states.model_states)} {unit} per "
+                     f"rank, {_size(result.device_memory - states.model_states)} {unit} left for the activations); "
+                     "give --model (the model's folder or config.json) to know what fits")
+    elif result.device_memory is not None:
         best = result.cheapest_fitting()
         if best is None:
             lines.append(f"nothing fits in {_size(result.device_memory)} {unit}: lower --per_device_train_batch_size or "

@@ -20,7 +20,7 @@ from transformers.trainer_pt_utils import find_batch_size
 from .training import progress
 from .backends import select_backend
 from .checkpoints.format import AUTO, newest_valid_checkpoint, read_data_state, read_loss_sum, resume_request
-from .data.loader import dataloader_with_batch_sampler, stream_dataloader
+from .data.loader import check_training_data, dataloader_with_batch_sampler, stream_dataloader
 from .config.batch import given_record
 from .data.samplers import ResumableBatchSampler, check_global_batch
 from .data.stream import TrainingStream, is_stream
@@ -39,11 +39,14 @@ from .environment.sagemaker import save_final_model
 from .environment.prepare import prepare_process
 from .environment.launcher import check_process_group, release_at_exit
 from .search.callback import trial_callback
+from .config.checks import hub_problems
 from .config.optimizer import OptimizerSettings, SchedulerSettings
 
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
+# Where the Hub client's errors come from (huggingface_hub's own, its HTTP library's: httpx, or httpx2, requests).
+HUB_ERROR_MODULES = ("huggingface_hub", "httpx", "httpx2", "requests", "urllib3")
 
 
 class ExtTrainer(PrivateTrainerHooks, Trainer):
@@ -64,6 +67,10 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                  class_weights=None, optimizer_settings: OptimizerSettings | None = None,
                  scheduler_settings: SchedulerSettings | None = None, **kwargs):
         _check_trl_arguments(type(self), args)
+        # transformers refuses a stream without max_steps in its __init__, with a traceback: said first
+        check_training_data(kwargs.get("train_dataset", positional[1] if len(positional) > 1 else None), args)
+        if problems := hub_problems(args):  # stock arguments were not checked at parsing
+            raise UserError(problems[0])
         prepare_process(args)  # the process set-up the arguments leave to training (once: sharded_loading may have)
         self.backend = select_backend(args)  # checks that it can run here
         super().__init__(model, args, *positional, **kwargs)
@@ -107,6 +114,19 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             logger.warning("include_num_input_tokens_seen='all' counts the padding of every batch, which depends on how "
                            "each rank's batches are padded (another number of ranks, another count): 'non_padding' "
                            "counts the samples' own tokens (ExtTrainingArguments reads True so)")
+
+    def init_hf_repo(self, token=None, private=None):
+        """--push_to_hub's repository, created when the trainer is built (main process): a Hub that cannot be reached
+        or a missing token is one line, not the HTTP library's traceback."""
+        try:
+            return super().init_hf_repo(token, private)
+        except Exception as err:
+            if not isinstance(err, OSError) and type(err).__module__.split(".")[0] not in HUB_ERROR_MODULES:
+                raise
+            said = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise UserError(f"--push_to_hub: the Hub repository could not be created ({said}): check the network and "
+                            "your token (huggingface-cli login, or HF_TOKEN), or drop --push_to_hub (the model is "
+                            "saved in --output_dir)") from err
 
     # -- losses ----------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

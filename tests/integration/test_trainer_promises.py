@@ -386,3 +386,47 @@ def test_a_resume_trains_with_the_learning_rate_and_weight_decay_it_is_given(tmp
     assert rates(continued) == {1: 1e-4, 2: 1e-4, 3: 1e-3, 4: 1e-3}
     assert [group["weight_decay"] for group in continued.optimizer.param_groups] == [0.1, 0.0]  # biases, norms: none
     assert "with this run's settings: weight decay 0.0 -> 0.1; learning rate 0.0001 -> 0.001" in caplog.text
+
+
+def test_another_model_on_the_same_output_dir_is_refused_not_resumed(tmp_path, caplog):
+    """Another model of the same shape on a run's --output_dir resumed the checkpoint there and never used the model
+    given (exit 0, "resuming from"): refused before training with the choices. Fails too when the same weights in a
+    moved folder, or the checkpoint named on purpose, stop resuming, or other rows of the same length go unsaid."""
+    from trainer_ext.checkpoints.format import CheckpointError
+
+    def folder(name, seed):
+        config = tiny_model().config
+        torch.manual_seed(seed)
+        BertForSequenceClassification(config).save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    def run(model_dir, resume=True, data=None, **flags):
+        model = BertForSequenceClassification.from_pretrained(model_dir) if model_dir else tiny_model()
+        trainer = ExtTrainer(model=model, args=arguments(tmp_path / "run", save_steps=1, **flags),
+                             train_dataset=data or rows())
+        return trainer.train(resume_from_checkpoint=resume)
+
+    first, other = folder("first", 1), folder("other", 2)
+    run(first, resume=False, max_steps=2)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    refused = (f"{checkpoint} was trained from {first}, not from this run's model ({other}): resuming would continue "
+               "the checkpoint's weights and never use yours. To train your model, pass --fresh_start (start over "
+               "here) or another --output_dir; to continue the checkpoint, load the model it was trained from, or name "
+               f"it with --resume_from_checkpoint {checkpoint} (its weights replace your model's)")
+    with pytest.raises(CheckpointError, match=re.escape(refused)):
+        run(other, max_steps=3)
+    with pytest.raises(CheckpointError, match="not from this run's model \\(a model built from its config"):
+        run(None, max_steps=3)  # a model object with no folder behind it
+    with caplog.at_level(logging.WARNING):
+        assert run(other, resume=str(checkpoint), max_steps=3).global_step == 3  # named: it continues, said
+    assert f"resuming from {checkpoint} as asked: it was trained from {first}, and its weights replace" in caplog.text
+    caplog.clear()
+    (tmp_path / "first").rename(tmp_path / "moved")  # the same weights elsewhere: the same model
+    with caplog.at_level(logging.WARNING):
+        assert run(tmp_path / "moved", resume=str(tmp_path / "run" / "checkpoint-2"), max_steps=3).global_step == 3
+    assert "as asked" not in caplog.text and "other training data" not in caplog.text
+    shuffled = rows()[::-1]  # the same number of rows, others at each index
+    with caplog.at_level(logging.WARNING):
+        assert run(tmp_path / "moved", data=shuffled, max_steps=4).global_step == 4
+    assert (f"resuming from {tmp_path / 'run' / 'checkpoint-3'} with other training data: the same {ROWS} samples in "
+            "number, other rows; the order continues exactly where it stopped") in caplog.text

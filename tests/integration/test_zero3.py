@@ -12,6 +12,7 @@ import pytest
 from conftest import (ACCUMULATE, BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, TINY_TRAIN, assert_continues,
                       assert_same_training, copy_checkpoint, free_port, launch, logged, max_weight_difference, run,
                       scratch, signal_at_step, weights)
+from trainer_ext.checkpoints.format import loadable_weights
 from trainer_ext.deepspeed_config import (PRESETS, DeepSpeedConfigError, explain, finish_deepspeed_config,
                                           resolve_deepspeed_config)
 
@@ -429,3 +430,32 @@ def test_consolidated_weights_load_into_a_model_built_whole(tmp_path, shard):
         save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
         with pytest.raises(RuntimeError, match="no bert.encoder.layer.1.output.dense.bias"):
             load_consolidated_weights(model, tmp_path, main_process=True)
+
+
+@pytest.mark.launch
+@pytest.mark.deepspeed
+def test_without_consolidation_the_run_says_what_it_saved_once_and_torchs_deprecations_once(tmp_path, tiny_bert_dir):
+    """ZeRO-3 with stage3_gather_16bit_weights_on_model_save false: a 2-step run printed torch's reduce_scatter_tensor
+    FutureWarning 62 times and ended "model saved to out" with no model from_pretrained loads. Fails when the run does
+    not say once what it saved and how to get a model (the command it gives is run here, and the model then loads),
+    or when torch's deprecation of the collectives DeepSpeed calls comes more than once each."""
+    out_dir = tmp_path / "out"
+    config = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}}
+    done = run([BIN / "torchrun", "--nproc_per_node", 2, "--master_port", free_port(), GLUE, "--output_dir", out_dir,
+                "--model_name_or_path", tiny_bert_dir, "--do_train", "--max_steps", 1, "--save_strategy", "no", *GLUE_COMMON,
+                "--deepspeed", json.dumps(config)])
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert said.count("`torch.distributed.reduce_scatter_tensor` is deprecated") <= 1
+    assert said.count("`torch.distributed.all_gather_into_tensor` is deprecated") <= 1
+    line = f"{out_dir} gets DeepSpeed's partitioned ZeRO-3 checkpoint (global_step1/), not a model from_pretrained loads"
+    assert said.count(line) == 1 and "model saved to" not in said
+    command = said.split(line)[1].split("`")[1].split()  # `python <out>/zero_to_fp32.py <out> <out> ...`
+    assert command == ["python", f"{out_dir}/zero_to_fp32.py", str(out_dir), str(out_dir), "--safe_serialization"]
+    assert loadable_weights(out_dir) is None
+    rebuilt = run([PYTHON, *command[1:]], env={"DS_ACCELERATOR": "cpu"})
+    assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
+    assert loadable_weights(out_dir) == "model.safetensors" and (out_dir / "config.json").is_file()
+    from transformers import BertForSequenceClassification
+
+    assert BertForSequenceClassification.from_pretrained(out_dir).num_parameters() > 0

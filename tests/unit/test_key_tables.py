@@ -133,3 +133,23 @@ def test_optimizer_names_equal_deepspeeds_and_torchs(deepspeed_accepts):
     tested = {cls.__name__.lower().removeprefix("deepspeedcpu").removeprefix("fused").removeprefix("zenflowcpu")
               .removesuffix("withauxadam") for cls in ZERO_SUPPORTED_OPTIMIZERS}
     assert dc.keys.ZERO_TESTED_OPTIMIZERS == tested
+
+
+@pytest.mark.deepspeed
+def test_optimizer_parameters_equal_the_classes_deepspeed_builds():
+    """optimizer.params is checked against these tables before any work: a table behind a class's constructor would
+    refuse a parameter it takes, or let through one that fails in it (TypeError on every rank, model loaded)."""
+    import inspect
+
+    import torch
+    from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from deepspeed.ops.lamb import FusedLamb
+    from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+
+    classes = {cls.__name__: cls for cls in (FusedAdam, DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, FusedLamb, FusedLion,
+                                              DeepSpeedCPULion)}
+    classes.update({f"torch.optim.{name}": getattr(torch.optim, name) for name in dc.keys.TORCH_OPTIMIZERS})
+    assert dc.keys.OPTIMIZER_CLASS_PARAMS.keys() == classes.keys()
+    for name, cls in classes.items():
+        assert dc.keys.OPTIMIZER_CLASS_PARAMS[name] == tuple(inspect.signature(cls.__init__).parameters)[2:], name

@@ -18,6 +18,7 @@ from .format import (AUTO, DATA_STATE, FRESH, LOSS_STATE, MARKER, NEWEST, Checkp
                          check_compatible, checkpoint_folder, damage, newest_valid_checkpoint, problem_with, publish,
                          read_loss_sum, relaid_weights, resume_request, rotate, staging_dir, valid_checkpoints)
 from .restarts import saved_for
+from .origin import data_origin, model_origin, other_data, other_model, read_origin
 from ..backends import backend_classes
 from ..integrations import internals
 from ..environment.sagemaker import checkpoints_to_keep
@@ -35,6 +36,7 @@ class RunCheckpoints(TrainerCallback):
         self.args = trainer.args
         self.remote = None  # --checkpoint_uri
         self.run_dir = None  # the folder transformers saves the current checkpoint for (output_dir, or a trial's)
+        self._origin = None  # (model, data) this train() started from, as its checkpoints record it (main process)
 
     # -- before training -------------------------------------------------------------------------------------------
     def open_remote(self) -> None:
@@ -55,6 +57,7 @@ class RunCheckpoints(TrainerCallback):
     def to_resume(self, requested, fingerprint) -> str | None:
         """The checkpoint `train(resume_from_checkpoint=requested)` continues from; None: from scratch."""
         trainer, kind = self.trainer, resume_request(requested)
+        self._origin = None  # read again for each train(): the model and data may have been replaced
         if kind == FRESH or (kind == AUTO and getattr(self.args, "fresh_start", False)):
             return None
         if kind in (AUTO, NEWEST):
@@ -92,8 +95,34 @@ class RunCheckpoints(TrainerCallback):
                 logger.warning("resuming from %s although %s", checkpoint, problem)
         if checkpoint:
             check_compatible(checkpoint, fingerprint)
+            self._check_origin(Path(checkpoint), explicit=kind not in (AUTO, NEWEST))
             self._say_if_relaid(Path(checkpoint))
         return checkpoint
+
+    def origin(self) -> tuple[dict, dict | None]:
+        """(the model, the data) this train() started from (origin.py), read once per train() by the main process."""
+        if self._origin is None:
+            trainer = self.trainer
+            module = trainer.backend.unwrap(trainer.accelerator.unwrap_model(trainer.model)) \
+                if trainer.model is not None else None
+            self._origin = (model_origin(module), data_origin(trainer.train_dataset)
+                            if trainer.train_dataset is not None else None)
+        return self._origin
+
+    def _check_origin(self, checkpoint: Path, explicit: bool) -> None:
+        """Before training: a checkpoint trained from another model than this run's is refused (named on purpose, it
+        continues, said); other training data of the same length is said."""
+        def compare():
+            (model, data), (saved_model, saved_data) = self.origin(), read_origin(checkpoint)
+            return other_model(checkpoint, saved_model, model, explicit), other_data(checkpoint, saved_data, data)
+
+        model_line, data_line = self.decided_by_main_process(compare)
+        if model_line and not explicit:
+            raise CheckpointError(model_line)
+        if self.trainer.is_world_process_zero():
+            for line in (model_line, data_line):
+                if line:
+                    logger.warning(line)
 
     def check_training_state(self, checkpoint: Path) -> bool:
         """Before a resume trains (a finished run's re-run needs only the weights): a checkpoint whose optimizer state
@@ -301,12 +330,13 @@ class RunCheckpoints(TrainerCallback):
             state.best_model_checkpoint = best
             state.save_to_json(str(staged / "trainer_state.json"))
         module = trainer.backend.unwrap(trainer.accelerator.unwrap_model(trainer.model))
+        model, data = self.origin()
         final = publish(staged, run_dir, {"step": state.global_step, "world_size": self.args.world_size,
                                           "backend": trainer.backend.settings().description,
                                           "backend_name": trainer.backend.name,
                                           "optimizer": optimizer_record(trainer),
                                           "model": trainer.backend.fingerprint(module),
-                                          "saved_for": saved_for(trainer)})
+                                          "saved_for": saved_for(trainer), "trained_from": model, "data": data})
         deleted = rotate(run_dir, checkpoints_to_keep(self.args.save_total_limit),
                          keep=Path(state.best_model_checkpoint) if state.best_model_checkpoint else None)
         if self.remote is not None:  # in the background: the next step does not wait for the copy

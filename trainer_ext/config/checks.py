@@ -241,6 +241,20 @@ def package_problems(args) -> list[str]:
             for flag, value, package in needed if package.missing()]
 
 
+def hub_problems(args) -> list[str]:
+    """--push_to_hub where the Hub is switched off (HF_HUB_OFFLINE): transformers' Trainer creates the repository when
+    it is built, after data and model are loaded, and failed with huggingface_hub's OfflineModeIsEnabled traceback. A
+    check of this machine, as package_problems."""
+    if not getattr(args, "push_to_hub", False):
+        return []
+    from huggingface_hub import is_offline_mode
+
+    if not is_offline_mode():
+        return []
+    return ["--push_to_hub: HF_HUB_OFFLINE is set, so nothing can reach the Hub: drop --push_to_hub (the model is saved "
+            "in --output_dir; push it later with huggingface-cli upload), or unset HF_HUB_OFFLINE"]
+
+
 def flag_problems(args) -> list[str]:
     """Every check of the flags that does not depend on this machine, one line per problem, each backend's own among
     them (Backend.owned_flag_problems). Reads `args` only: what the text flags stand for is read_text_flags'."""

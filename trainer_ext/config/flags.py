@@ -20,13 +20,13 @@ from transformers import HfArgumentParser, TrainingArguments
 from ..backends import backend_class
 from ..backends.fairscale import OPTIONS as SHARDED_DDP_OPTIONS
 from ..checkpoints.format import CheckpointNotFoundError
-from ..errors import ArgumentsError, UserError, closest, debugging, main_process
+from ..errors import ArgumentsError, CommandParser, UserError, debugging, unrecognized_arguments
 from ..checkpoints.restarts import resumed_order_state
 from ..environment.launcher import check_fp16_device, check_rank_variables, launched_world_size, prepare_cpu_ranks
 from ..environment.sagemaker import prepare_arguments as prepare_sagemaker
 from ..environment.sagemaker import spread_lists
 from .batch import batch_fields
-from .checks import (FP16_BACKENDS, FP16_OPT_LEVELS, flag_problems, package_problems, read_text_flags,
+from .checks import (FP16_BACKENDS, FP16_OPT_LEVELS, flag_problems, hub_problems, package_problems, read_text_flags,
                      shown_storage_options)
 from .settings import write
 
@@ -138,8 +138,9 @@ class ExtTrainingArguments(TrainingArguments):
             write(self, {"bf16": not self.fp16})
         check_rank_variables()  # leftover WORLD_SIZE/RANK without a launcher: seconds, not a wait for peers forever
         write(self, prepare_sagemaker(self))  # in a SageMaker job: where the model and checkpoints go; nothing elsewhere
-        # What this machine cannot change (trainer-ext ds-config runs the same), then the packages the flags need here.
-        if problems := flag_problems(self) + package_problems(self):
+        # What this machine cannot change (trainer-ext ds-config runs the same), then what the flags need here (packages,
+        # the Hub).
+        if problems := flag_problems(self) + package_problems(self) + hub_problems(self):
             raise ArgumentsError("\n".join(problems))
         write(self, read_text_flags(self))
         # The global batch over this start's ranks (--global_batch_size, or the resumed run's), before DeepSpeed's
@@ -191,6 +192,9 @@ class ExtTrainingArguments(TrainingArguments):
                 raise ArgumentsError(f"--{flag} {output}: is a file, not a folder")
             if output is not None:
                 existing = next(p for p in (output, *output.parents) if p.exists())
+                if not existing.is_dir():  # p1/README.md/run: a folder cannot be made inside a file
+                    raise ArgumentsError(f"--{flag} {output}: {existing} is a file, so no folder can be made inside "
+                                         "it: give a path whose folders are folders")
                 if not os.access(existing, os.W_OK | os.X_OK):
                     raise ArgumentsError(f"--{flag} {output}: {existing} is not writable")
 
@@ -205,20 +209,12 @@ class ExtTrainingArguments(TrainingArguments):
                                           "folder, or auto for the newest complete one in --output_dir)")
 
 
-class ExtArgumentParser(HfArgumentParser):
-    """HfArgumentParser that reports bad flags as `error: ...` with exit status 2, before any work starts:
-    misspelled flags get the closest valid one, invalid combinations name the option. Abbreviated flags are
-    refused: argparse would silently read a typo like --learning_rat as --learning_rate. It records the flags the
-    command line names (`flags_given`), so a flag typed at its default still beats a DeepSpeed file."""
-
-    def __init__(self, dataclass_types, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(dataclass_types, **kwargs)
-
-    def error(self, message):
-        # argparse would print a usage line of ~150 flags first; the message is what the user needs, once on N ranks.
-        self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help for all flags)\n" if main_process()
-                  else None)
+class ExtArgumentParser(CommandParser, HfArgumentParser):
+    """HfArgumentParser that reports bad flags as `error: ...` with exit status 2, before any work starts (as every
+    trainer-ext command: CommandParser): misspelled flags get the closest valid one, invalid combinations name the
+    option. Abbreviated flags are refused: argparse would silently read a typo like --learning_rat as
+    --learning_rate. It records the flags the command line names (`flags_given`), so a flag typed at its default still
+    beats a DeepSpeed file."""
 
     def check_unknown(self, argv) -> None:
         messages = self.unrecognized(argv)
@@ -243,8 +239,7 @@ class ExtArgumentParser(HfArgumentParser):
                 messages.append(f"unrecognized argument {word}: --report_to takes one word; give several "
                                 "integrations separated by commas, e.g. --report_to tensorboard,wandb")
             else:
-                hint = closest(word, valid)
-                messages.append(f"unrecognized argument {word}" + (f" (did you mean {hint}?)" if hint else ""))
+                messages += unrecognized_arguments([word], valid)
         return messages
 
     def flags_named(self, argv) -> frozenset[str]:

@@ -19,7 +19,8 @@ def check_training_data(train_dataset, args) -> None:
     dataset without a length) and no --max_steps (transformers: a ValueError traceback from Trainer.__init__)."""
     from .stream import is_stream
 
-    if train_dataset is not None and args is not None and is_stream(train_dataset) and args.max_steps <= 0:
+    max_steps = args.max_steps if args is not None else -1  # no arguments: transformers' defaults
+    if train_dataset is not None and is_stream(train_dataset) and max_steps <= 0:
         raise UserError(f"the training set ({type(train_dataset).__name__}) is a stream with no length, so an epoch "
                         "has no end: give --max_steps (the optimizer steps to train; max_steps= in TrainingArguments)")
 

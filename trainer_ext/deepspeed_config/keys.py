@@ -204,6 +204,50 @@ DEEPSPEED_OPTIMIZER_NAMES = ("Adagrad", "Adam", "AdamW", "Lamb", "MuAdam", "MuAd
 DEEPSPEED_OPTIMIZERS = frozenset(name.lower() for name in DEEPSPEED_OPTIMIZER_NAMES)
 TORCH_OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "Muon", "NAdam",
                     "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam")
+# The keyword parameters (after the model's parameters) of each optimizer class DeepSpeed 0.19 builds from
+# optimizer.params (engine._configure_basic_optimizer); tests/unit/test_key_tables.py compares them with the classes.
+OPTIMIZER_CLASS_PARAMS = {
+    "FusedAdam": ("lr", "bias_correction", "betas", "eps", "adam_w_mode", "weight_decay", "amsgrad", "set_grad_none"),
+    "DeepSpeedCPUAdam": ("lr", "bias_correction", "betas", "eps", "weight_decay", "amsgrad", "adamw_mode",
+                         "fp32_optimizer_states"),
+    "DeepSpeedCPUAdagrad": ("lr", "eps", "weight_decay", "amsgrad", "fp32_optimizer_states"),
+    "FusedLamb": ("lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_grad_norm",
+                  "max_coeff", "min_coeff", "amsgrad"),
+    "FusedLion": ("lr", "betas", "weight_decay", "set_grad_none"),
+    "DeepSpeedCPULion": ("lr", "betas", "weight_decay", "fp32_optimizer_states"),
+    "torch.optim.ASGD": ("lr", "lambd", "alpha", "t0", "weight_decay", "foreach", "maximize", "differentiable",
+                         "capturable"),
+    "torch.optim.Adadelta": ("lr", "rho", "eps", "weight_decay", "foreach", "capturable", "maximize", "differentiable"),
+    "torch.optim.Adafactor": ("lr", "beta2_decay", "eps", "d", "weight_decay", "foreach", "maximize"),
+    "torch.optim.Adagrad": ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps", "foreach", "maximize",
+                            "differentiable", "fused"),
+    "torch.optim.Adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize", "capturable",
+                         "differentiable", "fused", "decoupled_weight_decay"),
+    "torch.optim.AdamW": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
+                          "differentiable", "fused"),
+    "torch.optim.Adamax": ("lr", "betas", "eps", "weight_decay", "foreach", "maximize", "differentiable", "capturable"),
+    "torch.optim.LBFGS": ("lr", "max_iter", "max_eval", "tolerance_grad", "tolerance_change", "history_size",
+                          "line_search_fn"),
+    "torch.optim.Muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
+                         "adjust_lr_fn"),
+    "torch.optim.NAdam": ("lr", "betas", "eps", "weight_decay", "momentum_decay", "decoupled_weight_decay", "foreach",
+                          "maximize", "capturable", "differentiable"),
+    "torch.optim.RAdam": ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "foreach", "maximize",
+                          "capturable", "differentiable"),
+    "torch.optim.RMSprop": ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "capturable", "foreach",
+                            "maximize", "differentiable"),
+    "torch.optim.Rprop": ("lr", "etas", "step_sizes", "capturable", "foreach", "maximize", "differentiable"),
+    "torch.optim.SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach",
+                        "differentiable", "fused"),
+    "torch.optim.SparseAdam": ("lr", "betas", "eps", "maximize"),
+}
+# The Adam family's optimizer.params DeepSpeed reads itself before building (get_optimizer_configuration pops them; it
+# gives FusedAdam adam_w_mode and CPU Adam adamw_mode and fp32_optimizer_states itself), and the op each class loads.
+ADAM_DEEPSPEED_PARAMS = ("adam_w_mode", "torch_adam", "fp32_optimizer_states")
+GIVEN_BY_DEEPSPEED = {"FusedAdam": ("adam_w_mode",), "DeepSpeedCPUAdam": ("adamw_mode", "fp32_optimizer_states")}
+OPTIMIZER_OPS = {"FusedAdam": "FusedAdamBuilder", "DeepSpeedCPUAdam": "CPUAdamBuilder",
+                 "DeepSpeedCPUAdagrad": "CPUAdagradBuilder", "FusedLamb": "FusedLambBuilder",
+                 "FusedLion": "FusedLionBuilder", "DeepSpeedCPULion": "CPULionBuilder"}
 # What ZeRO builds without zero_allow_untested_optimizer (deepspeed/runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS:
 # torch's Adam/AdamW/Adagrad and DeepSpeed's fused/CPU versions of adam, adagrad and lion, plus MuonWithAuxAdam, which
 # DeepSpeed adds to that list on its first check, and builds for "Muon").

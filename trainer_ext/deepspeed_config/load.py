@@ -43,12 +43,15 @@ def presets_dir() -> Path:
     return package.parent / "ds_configs"
 
 
+GIVEN_AS_DICT = "(given as a dict)"
+
+
 def load_deepspeed_config(value: Any) -> tuple[dict, str]:
     """Read --deepspeed: a dict, an inline JSON string, a path to a JSON file, or a preset name.
 
     Returns a deep copy (the caller's object is never mutated) and a phrase naming where it came from."""
     if isinstance(value, dict):
-        return copy.deepcopy(value), "(given as a dict)"
+        return copy.deepcopy(value), GIVEN_AS_DICT
     if isinstance(value, Path):
         value = str(value)
     if not isinstance(value, str) or not value.strip():
@@ -67,8 +70,12 @@ def load_deepspeed_config(value: Any) -> tuple[dict, str]:
                                     f"(presets: {', '.join(sorted(PRESETS))}){also}"])
     if path.is_dir():
         raise DeepSpeedConfigError([f"--deepspeed {text!r} is a folder; give the JSON file inside it"])
-    config = _parse_json(path.read_text(encoding="utf-8"), str(path))
-    return config, str(path)
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():  # hjson reads nothing as {}: ZeRO-2 trained with defaults, in silence
+        raise DeepSpeedConfigError([f"--deepspeed {path}: the file is empty ({path.stat().st_size} bytes), which is "
+                                    "not JSON: write {} in it for ZeRO-2 with trainer_ext's defaults and your flags, or "
+                                    "name a preset (e.g. --deepspeed zero2)"])
+    return _parse_json(text, str(path)), str(path)
 
 
 class _DuplicateKey(ValueError):

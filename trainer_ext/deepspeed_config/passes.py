@@ -14,9 +14,9 @@ from ..config.ranges import out_of_range
 from ..errors import closest
 from .fields import (Origin, Source, copy_tree, flag_source, get_field, iter_fields, positive_int, read_field,
                      requirement, same, set_field, show)
-from .keys import (AUTO, DEEPSPEED_OPTIMIZER_NAMES, DEEPSPEED_OPTIMIZERS, DEEPSPEED_SCHEDULERS, FIELD_FLAGS,
+from .keys import (ADAM_DEEPSPEED_PARAMS, AUTO, DEEPSPEED_OPTIMIZER_NAMES, DEEPSPEED_OPTIMIZERS, DEEPSPEED_SCHEDULERS, FIELD_FLAGS,
                    FIELD_TYPES, FLAG_DEFAULTS, FP16_BLOCK_DEFAULTS, H100_RUN, HIDDEN_SIZE_AUTO, KNOWN_TOP_LEVEL_KEYS,
-                   NESTED_HOME, NESTED_SECTION_KEYS, OFFLOAD_DEVICES, REMOVED_TOP_LEVEL_KEYS, SCHEDULER_FOR_TYPE,
+                   GIVEN_BY_DEEPSPEED, NESTED_HOME, NESTED_SECTION_KEYS, OFFLOAD_DEVICES, OPTIMIZER_CLASS_PARAMS, REMOVED_TOP_LEVEL_KEYS, SCHEDULER_FOR_TYPE,
                    SECTION_KEYS, STAGE3_ALIASES, STAGE3_ONLY_KEYS, TORCH_OPTIMIZERS, TUNED_ZERO, ZERO2_DEFAULTS,
                    ZERO3_COST, ZERO3_DEFAULTS, ZERO3_GRANULARITY, ZERO_AUTO_FALLBACK, ZERO_TESTED_OPTIMIZERS)
 
@@ -415,6 +415,67 @@ def optimizer_type_problem(name: str) -> str | None:
             + f"(DeepSpeed's: {', '.join(DEEPSPEED_OPTIMIZER_NAMES)}; torch.optim's: {', '.join(TORCH_OPTIMIZERS)})")
 
 
+def _block(config: dict, key: str) -> dict:
+    value = config.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def built_optimizer(config: dict) -> tuple[str, tuple[str, ...]] | None:
+    """(the optimizer class DeepSpeed 0.19 builds for the config's optimizer block, the optimizer.params it takes:
+    DeepSpeed's own first, then the class's less those DeepSpeed gives it itself), as engine._configure_basic_optimizer
+    chooses: the Adam family's FusedAdam, CPU Adam under offload_optimizer, torch's with torch_adam; Adagrad and Lion
+    on the CPU under offload; Lamb; any other name a torch.optim class. None for those built another way (Muon, mup's
+    MuAdam, MuAdamW, MuSGD) or not at all."""
+    block, zero = _block(config, "optimizer"), _block(config, "zero_optimization")
+    kind, params = block.get("type"), _block(block, "params")
+    if not isinstance(kind, str):
+        return None
+    on_cpu = _block(zero, "offload_optimizer").get("device") in ("cpu", "nvme") and zero.get("stage", 0) in (1, 2, 3)
+    name, own = kind.lower(), ()
+    if name in ("adam", "adamw"):
+        own = ADAM_DEEPSPEED_PARAMS
+        if params.get("torch_adam") is True:
+            own += ("foreach",)  # popped and given back explicitly
+            adam_w_mode = name == "adamw" or params.get("adam_w_mode", True)
+            built = "torch.optim.AdamW" if adam_w_mode else "torch.optim.Adam"
+        else:
+            built = "DeepSpeedCPUAdam" if on_cpu else "FusedAdam"
+    elif name == "adagrad":
+        built = "DeepSpeedCPUAdagrad" if on_cpu else "torch.optim.Adagrad"
+    elif name == "lion":
+        built = "DeepSpeedCPULion" if on_cpu else "FusedLion"
+    elif name == "lamb":
+        built = "FusedLamb"
+    elif name not in DEEPSPEED_OPTIMIZERS and kind in TORCH_OPTIMIZERS:
+        built = f"torch.optim.{kind}"
+    else:
+        return None
+    given = GIVEN_BY_DEEPSPEED.get(built, ())
+    return built, own + tuple(key for key in OPTIMIZER_CLASS_PARAMS[built] if key not in given and key not in own)
+
+
+def optimizer_params_problems(config: dict) -> list[str]:
+    """optimizer.params keys the optimizer DeepSpeed builds does not take: its constructor's TypeError on every rank,
+    once data and model are loaded (DeepSpeed's own ValueError for max_grad_norm)."""
+    built, params = built_optimizer(config), _block(_block(config, "optimizer"), "params")
+    if built is None:
+        return []
+    kind, (name, accepted) = config["optimizer"]["type"], built
+    problems = []
+    for key in params:
+        if key == "max_grad_norm":
+            problems.append('optimizer.params.max_grad_norm: DeepSpeed refuses gradient clipping there: set '
+                            '"gradient_clipping" (or --max_grad_norm) instead')
+        elif key not in accepted:
+            hint = closest(key, accepted)
+            warmup = ('; a warmup belongs to the schedule: --warmup_steps N, or "scheduler": {"type": "WarmupLR", '
+                      '"params": {"warmup_num_steps": N}}' if "warmup" in str(key).lower() else "")
+            problems.append(f"optimizer.params.{key}: not a parameter of {name}, the optimizer DeepSpeed builds for "
+                            f"optimizer.type {json.dumps(kind)}" + (f" (did you mean {hint!r}?)" if hint else "")
+                            + f"{warmup}; it takes {', '.join(accepted)}")
+    return problems
+
+
 def optimizer(config: dict, sources: dict[str, Source], run: Run) -> Draft:
     """The file's optimizer (else the Trainer's AdamW) with its rate, betas, eps and weight decay from the flags."""
     draft = Draft.of(config, sources)
@@ -430,6 +491,7 @@ def optimizer(config: dict, sources: dict[str, Source], run: Run) -> Draft:
         return draft
     if problem := optimizer_type_problem(block["type"]):
         draft.problems.append(problem)
+    draft.problems += optimizer_params_problems(draft.config)  # the file's own, before the flags fill any
     params = block.setdefault("params", {})
     adam_like = any(word in block["type"].lower() for word in ("adam", "lamb", "lion"))
     fill_from_flag(draft, run, "optimizer.params.lr")

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..environment.launcher import world_size_from_environment
 from .fields import Origin, Source, iter_fields, numbers_from_strings, set_field, show, source_of
-from .load import DeepSpeedConfigError, load_deepspeed_config
+from .load import GIVEN_AS_DICT, DeepSpeedConfigError, load_deepspeed_config
 from .passes import (Draft, Run, batch, check_keys, clipping, field_types, file_scheduler, flag_scheduler, flag_value,
                      leftover_auto, migrate_legacy, optimizer, precision, precision_safety, untested_optimizer,
                      warmup_steps_for, zero, zero_auto_sizes, zero_auto_value)
@@ -62,6 +62,9 @@ def _phase_one(config: dict, run: Run, origin: str) -> Resolution:
     and its sources after it (the next pass starts from them) and what it found (collected here, read by no pass
     except where a signature names it); every problem is raised at once, at the end."""
     drafts: list[Draft] = []
+    # A file (or inline text) of {}: said once, with the run's settings and by ds-config (a dict is a caller's choice).
+    empty = [f"{'--deepspeed ' if origin.startswith('(') else 'the DeepSpeed file '}{origin} is empty ({{}}): ZeRO-2 "
+             "with trainer_ext's defaults and your flags"] if not config and origin != GIVEN_AS_DICT else []
 
     def then(draft: Draft) -> tuple[dict, dict[str, Source]]:
         drafts.append(draft)
@@ -89,7 +92,7 @@ def _phase_one(config: dict, run: Run, origin: str) -> Resolution:
     if problems := [problem for draft in drafts for problem in draft.problems]:
         raise DeepSpeedConfigError(problems, origin)
     return Resolution(config=config, effective_flags=written_back(), provenance=sources,
-                      notes=[note for draft in drafts for note in draft.notes], pending=pending, origin=origin,
+                      notes=empty + [note for draft in drafts for note in draft.notes], pending=pending, origin=origin,
                       world_size=run.world_size, cpu_ranks=run.cpu_ranks)
 
 

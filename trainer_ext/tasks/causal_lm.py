@@ -40,8 +40,9 @@ class ModelArguments(CommonModelArguments):
                 "byte-level tokenizer (offline)."})
     attn_implementation: str | None = field(default=None, metadata={
         "help": "sdpa, eager, flash_attention_2, flex_attention, ...; default: the model's."})
-    lora_r: int | None = field(default=None, metadata={"help": "Train LoRA adapters of this rank (peft); the base "
-                                                                "model frozen. Unset: a full fine-tune."})
+    lora_r: int | None = field(default=None, metadata={"aliases": ["--lora_rank"], "help": "Train LoRA adapters of this "
+                                                                "rank (peft); the base model frozen. Unset: a full "
+                                                                "fine-tune. --lora_rank: LLaMA-Factory's name."})
     lora_alpha: float | None = field(default=None, metadata={"help": "LoRA scaling numerator; default 2 x --lora_r."})
     lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the adapters' input (default 0)."})
     lora_target_modules: str | None = field(default=None, metadata={

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import ArgumentsError, closest
 from .common import (REPO, ModelArguments, check_sample_limits, first, load_config, load_tokenizer, nearby,
-                     needed_splits, shipped_model, train_and_save, with_channels)
+                     needed_splits, say_model_saved, shipped_model, train_and_save, with_channels)
 
 SHIPPED_DATA = REPO / "data" / "classification"
 EVAL_METRICS = ("loss", "accuracy")  # what evaluation reports (eval_*): `trainer-ext search` checks its metric
@@ -73,9 +73,10 @@ def load_raw(data_args: DataArguments, training_args=None):
     import datasets
 
     from .common import check_needed_splits, reading, shipped_data_note
-    from .data_checks import load_files
+    from .data_checks import check_datasets_cache, load_files
 
     if data_args.dataset_name is not None:
+        check_datasets_cache()
         with reading("--dataset_name", data_args.dataset_name, "dataset"):
             return datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
     files = data_args.data_files()
@@ -294,6 +295,5 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
             path = Path(training_args.output_dir) / "predictions.json"
             path.write_text(json.dumps({"predictions": predictions, "labels": [labels[i] for i in predictions],
                                         "logits": output.predictions.tolist()}))
-    if main_process and training_args.do_train:
-        print(f"model saved to {Path(training_args.output_dir).resolve()}", flush=True)
+    say_model_saved(training_args)
     return results

@@ -240,6 +240,16 @@ def train_and_save(trainer, training_args, train_samples: int) -> dict:
     return metrics
 
 
+def say_model_saved(training_args) -> None:
+    """The examples' last line after training: where the model is, when output_dir holds one from_pretrained loads
+    (ZeRO-3 without stage3_gather_16bit_weights_on_model_save leaves DeepSpeed's shards only; the backend said so)."""
+    from ..checkpoints.format import loadable_weights
+
+    output = Path(training_args.output_dir).resolve()
+    if training_args.process_index == 0 and training_args.do_train and loadable_weights(output):
+        print(f"model saved to {output}", flush=True)
+
+
 # -- checks every recipe makes before its model is loaded -----------------------------------------------------------
 def check_something_to_do(training_args, data_args, steps=("do_train", "do_eval", "do_predict")) -> None:
     """A command with none of the task's steps (a v4 habit: the flags were off by default there too) read nothing,

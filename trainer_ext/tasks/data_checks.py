@@ -86,10 +86,42 @@ def table_problem(path: Path, text: str) -> str | None:
     return None
 
 
+def check_datasets_cache(cache_dir=None) -> None:
+    """datasets writes its cache and lock files under HF_DATASETS_CACHE (else HF_HOME/datasets, else
+    ~/.cache/huggingface/datasets; `cache_dir` when given): a folder this process cannot write failed inside
+    load_dataset with filelock's `OSError: [Errno 30] Read-only file system` traceback. One probe file, removed."""
+    import os
+    import tempfile
+
+    import datasets.config
+
+    folder = Path(cache_dir or datasets.config.HF_DATASETS_CACHE)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=".trainer-ext-probe-")
+        os.close(handle)
+        os.unlink(probe)
+        return
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+    if cache_dir:
+        named, fix = f"the datasets cache {folder}", "give a cache folder you can write"
+    elif "HF_DATASETS_CACHE" in os.environ:
+        named, fix = f"HF_DATASETS_CACHE={folder}", "point HF_DATASETS_CACHE at a folder you can write, or unset it"
+    elif "HF_HOME" in os.environ:
+        named, fix = (f"HF_HOME={os.environ['HF_HOME']} (datasets caches in {folder})",
+                      "set HF_DATASETS_CACHE to a folder you can write")
+    else:
+        named, fix = f"datasets' cache {folder}", "set HF_DATASETS_CACHE to a folder you can write"
+    raise ArgumentsError(f"{named}: cannot write there ({reason}), and datasets writes its cache and lock files there "
+                         f"as it reads the data: {fix}")
+
+
 def load_files(kind: str, files: dict[str, str], **kwargs):
     """datasets.load_dataset(kind, data_files=files), with a file that cannot be read named in one line."""
     import datasets
 
+    check_datasets_cache(kwargs.get("cache_dir"))
     for path in files.values():
         problem = first_problem(path)
         if problem:

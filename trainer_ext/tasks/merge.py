@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import ArgumentsError, MissingLibraryError
+from ..errors import ArgumentsError, MissingLibraryError, UserFileNotFoundError, closest
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -17,6 +17,13 @@ def merge_adapter(adapter_dir, output_dir, base_model: str | None = None, dtype:
     without an adapter, a base that cannot be found, or an output folder that already holds a model."""
     adapter_dir, output_dir = Path(adapter_dir), Path(output_dir)
     config_file = adapter_dir / "adapter_config.json"
+    if not adapter_dir.is_dir():
+        siblings = [p.name for p in adapter_dir.parent.iterdir() if p.is_dir()] if adapter_dir.parent.is_dir() else []
+        hint = closest(adapter_dir.name, siblings)
+        what = "is a file" if adapter_dir.exists() else "does not exist" + (
+            f" (did you mean {adapter_dir.parent / hint}?)" if hint else "")
+        raise UserFileNotFoundError(f"{adapter_dir} {what}: give a LoRA run's output_dir or one of its checkpoint-N "
+                                    "folders (they hold adapter_config.json)")
     if not config_file.is_file():
         inside = sorted(p.parent.name for p in adapter_dir.glob("checkpoint-*/adapter_config.json"))
         raise ArgumentsError(f"{adapter_dir}: no adapter_config.json there (a LoRA run's output_dir or checkpoint)"

@@ -96,6 +96,9 @@ def load_squad(path, cache_dir=None, num_proc=None, load_from_cache_file=True):
     """A SQuAD-format JSON file as a dataset of rows id/title/context/question/answers{text, answer_start}."""
     import datasets
 
+    from .data_checks import check_datasets_cache
+
+    check_datasets_cache(cache_dir)
     articles = datasets.load_dataset("json", data_files={"data": str(path)}, field="data", cache_dir=cache_dir)["data"]
     features = datasets.Features({
         "id": datasets.Value("string"), "title": datasets.Value("string"), "context": datasets.Value("string"),

@@ -69,17 +69,19 @@ class DeepSpeedBackend(Backend):
         """Before DeepSpeed loads an op: no stale build locks or shared-memory buffers of killed jobs, a
         TORCH_CUDA_ARCH_LIST its op builder can read, the ops it will build said, and under ZeRO-3 DeepSpeed in the
         process group. On a machine without a GPU, DS_ACCELERATOR=cpu: DeepSpeed's own override for the choice it would
-        make anyway, without its "unable to detect" warning; and what DeepSpeed's import set, where a config check
-        imported it first and took it back."""
+        make anyway, without its "unable to detect" warning; TORCH_EXTENSIONS_DIR this environment's own folder for the
+        ops, unless set; and what DeepSpeed's import set, where a config check imported it first and took it back."""
         import os
 
         from .cuda_arch import prepare_for_deepspeed
         from .leftovers import clear_leftovers
-        from .ops import announce_builds, restore_import_environment
+        from .ops import announce_builds, restore_import_environment, use_environment_folder
         from ...environment.launcher import accelerator_available, cpu_ranks
 
         if "DS_ACCELERATOR" not in os.environ and not accelerator_available():
             os.environ["DS_ACCELERATOR"] = "cpu"
+        use_environment_folder()
+        quiet_deprecated_collectives()
         restore_import_environment()
         clear_leftovers()
         if not cpu_ranks(args):
@@ -139,6 +141,7 @@ class DeepSpeedBackend(Backend):
         self.overflow_check = None  # how a ZeRO step detects a non-finite gradient, once the engine exists
         self._evaluation_engine = None  # ZeRO-3 before training: see evaluating
         self._load_universal = False  # resuming a checkpoint saved on another world size (see before_train)
+        self._said_partitioned_save = False  # the final model saved as ZeRO shards only: said once
 
     def callbacks(self, trainer) -> list:
         return [skipped_steps_callback(trainer)]
@@ -247,6 +250,22 @@ class DeepSpeedBackend(Backend):
         if self._evaluation_engine is not None:
             self._evaluation_engine.destroy()
             self._evaluation_engine = None
+
+    def save(self, trainer, folder):
+        """The final model under ZeRO-3 with stage3_gather_16bit_weights_on_model_save false: transformers writes
+        DeepSpeed's partitioned checkpoint instead of weights (and the examples said "model saved to"): what is
+        saved and how to get a model, said once by the main process."""
+        zero = self.resolution.config.get("zero_optimization", {}) if self.resolution is not None else {}
+        if (folder is None and zero.get("stage") == 3 and zero.get("stage3_gather_16bit_weights_on_model_save") is False
+                and trainer.is_world_process_zero() and not self._said_partitioned_save):
+            self._said_partitioned_save = True
+            out = trainer.args.output_dir
+            logger.warning("%s gets DeepSpeed's partitioned ZeRO-3 checkpoint (global_step%d/), not a model "
+                           "from_pretrained loads (stage3_gather_16bit_weights_on_model_save is false): `python "
+                           "%s/zero_to_fp32.py %s %s --safe_serialization` writes the whole model there (DeepSpeed's "
+                           "script), or set stage3_gather_16bit_weights_on_model_save true (trainer_ext's default) to "
+                           "save it whole", out, trainer.state.global_step, out, out, out)
+        return None
 
     def load_weights(self, trainer, checkpoint) -> None:
         if zero_stage(self.resolution) == 3:  # the model was partitioned as it was built (zero.Init)
@@ -392,6 +411,34 @@ def model_hidden_size(model) -> int | None:
         if getattr(candidate, "hidden_sizes", None):
             return max(candidate.hidden_sizes)
     return None
+
+
+# torch 2.13 deprecates collectives DeepSpeed's ZeRO calls at every step; their FutureWarning came again after every
+# change of the warning filters, which something does at every step ("once" filters included: a 2-step ZeRO-3 run on 2
+# ranks printed it 398 times).
+DEPRECATED_COLLECTIVES = ("reduce_scatter_tensor", "all_gather_into_tensor")
+_QUIETED: list[bool] = []  # this process's filter is in place (and the deprecation said)
+
+
+def quiet_deprecated_collectives() -> None:
+    """For a DeepSpeed run: torch's deprecation of the collectives DeepSpeed calls, said once by the main process
+    instead of at every step on every rank (a filter after any the user set, which still wins)."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from ...errors import main_process
+
+    deprecated = [name for name in DEPRECATED_COLLECTIVES if getattr(getattr(dist, name, None), "__deprecated__", None)]
+    if not deprecated or _QUIETED:
+        return
+    _QUIETED.append(True)
+    warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.({'|'.join(deprecated)})` is deprecated",
+                            category=FutureWarning, append=True)
+    if main_process():
+        logger.warning("torch %s deprecates torch.distributed.%s, which DeepSpeed calls at every ZeRO step: its "
+                       "FutureWarning is said once, here", torch.__version__, " and ".join(deprecated))
 
 
 def zero_stage(resolution) -> int:

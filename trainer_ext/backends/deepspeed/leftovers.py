@@ -23,7 +23,8 @@ MIN_AGE_S = 30.0  # a lock younger than this may belong to a builder we raced wi
 
 
 def extensions_roots() -> list[Path]:
-    """Folders torch builds JIT extensions in: $TORCH_EXTENSIONS_DIR, else torch's default build root."""
+    """Folders torch builds JIT extensions in: $TORCH_EXTENSIONS_DIR, else this environment's own folder (ops.py) and
+    torch's default build root (where earlier releases built them)."""
     configured = os.environ.get("TORCH_EXTENSIONS_DIR")
     if configured:
         return [Path(configured)]
@@ -31,7 +32,9 @@ def extensions_roots() -> list[Path]:
         from torch.utils.cpp_extension import get_default_build_root
     except ImportError:
         return []
-    return [Path(get_default_build_root())]
+    from .ops import environment_folder
+
+    return [environment_folder(), Path(get_default_build_root())]
 
 
 def lock_files(roots=None) -> list[Path]:

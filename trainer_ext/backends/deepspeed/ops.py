@@ -3,8 +3,10 @@ notice before a run builds one (minutes of silence otherwise), and `trainer-ext 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -76,42 +78,68 @@ def op_buildable(builder_name: str) -> bool:
     return builder is not None and (installed_ops.get(builder.NAME, False) or builder.is_compatible(verbose=False))
 
 
-def build_folder(name: str) -> Path:
-    """Where torch's cpp_extension builds (and later finds) the JIT op `name`: torch's own rule
-    (torch.utils.cpp_extension._get_build_directory, which also creates the folder; a test holds this to it)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
-        return Path(root) / name
+def environment_folder() -> Path:
+    """This environment's own folder for DeepSpeed's JIT ops: sys.prefix/torch_extensions (the venv's or conda env's,
+    where `make test` builds them too), or, where the environment is read-only, a folder of its own under torch's
+    default root. torch's default (~/.cache/torch_extensions/<python>_<cpu|cuXY>) is shared by every environment of one
+    Python, whose build commands name their own paths: each rebuilt the ops of the other, in silence."""
+    own = Path(sys.prefix) / "torch_extensions"
+    if os.access(own if own.is_dir() else sys.prefix, os.W_OK | os.X_OK):
+        return own
+    import hashlib
+
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
     accelerator = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None
                    else f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu")
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{python}_{accelerator}" / name
+    environment = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+    return Path(get_default_build_root()) / f"{python}_{accelerator}_env-{environment}"
+
+
+def extensions_dir() -> Path:
+    """Where torch's cpp_extension builds (and later finds) DeepSpeed's ops: $TORCH_EXTENSIONS_DIR when set (by the
+    user, or by a DeepSpeed run: use_environment_folder), else this environment's own folder."""
+    configured = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(configured) if configured else environment_folder()
+
+
+def use_environment_folder() -> None:
+    """For a DeepSpeed run (as DS_ACCELERATOR): torch builds and finds the ops in this environment's own folder unless
+    the user chose one with TORCH_EXTENSIONS_DIR."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(environment_folder()))
+
+
+@contextmanager
+def environment_folder_used():
+    """use_environment_folder for one build (`trainer-ext build-ops`), the variable as it was afterwards."""
+    before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    use_environment_folder()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+
+
+def build_folder(name: str) -> Path:
+    """The op's build folder, as torch's cpp_extension computes it from TORCH_EXTENSIONS_DIR (a test holds this to
+    torch's _get_build_directory)."""
+    return extensions_dir() / name
 
 
 def needed_builders(config: dict, cpu_accelerator: bool) -> list[str]:
     """DeepSpeed's op builders a run of this resolved config loads (deepspeed/comm/torch.py and the engine's
     _configure_basic_optimizer): the shared-memory all-reduce on CPU ranks, the optimizer's fused or CPU kernel, and
     async_io for ZeRO-3's NVMe offload."""
-    from ...deepspeed_config.passes import nvme_offloads
+    from ...deepspeed_config.keys import OPTIMIZER_OPS
+    from ...deepspeed_config.passes import built_optimizer, nvme_offloads
 
     builders = ["ShareMemCommBuilder"] if cpu_accelerator else []
-    optimizer = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
-    name = str(optimizer.get("type", "")).lower()
-    params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
-    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
-    offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
-    on_cpu = offload.get("device") in ("cpu", "nvme") and zero.get("stage", 0) in (1, 2, 3)
-    if name in ("adam", "adamw") and params.get("torch_adam") is not True:
-        builders.append("CPUAdamBuilder" if on_cpu else "FusedAdamBuilder")
-    elif name == "lion":
-        builders.append("CPULionBuilder" if on_cpu else "FusedLionBuilder")
-    elif name == "adagrad" and on_cpu:
-        builders.append("CPUAdagradBuilder")
-    elif name == "lamb":
-        builders.append("FusedLambBuilder")
+    built = built_optimizer(config)
+    if built is not None and built[0] in OPTIMIZER_OPS:
+        builders.append(OPTIMIZER_OPS[built[0]])
     if nvme_offloads(config):
         builders.append("AsyncIOBuilder")
     return builders
@@ -133,17 +161,87 @@ def op_builders(names) -> list:
     return found
 
 
-def is_built(builder) -> bool:
-    """Whether torch finds this op built in this environment: its library in the op's build folder, newer than the
-    sources and headers DeepSpeed builds it from (ninja's test: a DeepSpeed installed since rebuilds it)."""
-    library = build_folder(builder.NAME) / f"{builder.NAME}.so"
+def rebuild_reason(builder) -> str | None:
+    """Why DeepSpeed's load of this op will compile it (torch's JIT build runs ninja in the op's folder), in a phrase;
+    None when it loads the library built there. A build into an empty folder says "first"."""
+    folder = build_folder(builder.NAME)
+    library = folder / f"{builder.NAME}.so"
     if not library.is_file():
-        return False
-    sources = [Path(builder.deepspeed_src_path(path)) for path in builder.sources()]
-    headers = [header for include in builder.include_paths()
-               for header in Path(builder.deepspeed_src_path(include)).glob("*.h")]
+        return "first"
+    sources = [Path(builder.deepspeed_src_path(path)).resolve() for path in builder.sources()]
+    includes = [Path(builder.deepspeed_src_path(path)).resolve() for path in builder.include_paths()]
+    headers = [header for include in includes for header in include.glob("*.h")]
     newest = max((path.stat().st_mtime for path in sources + headers if path.is_file()), default=0.0)
-    return library.stat().st_mtime >= newest
+    if library.stat().st_mtime < newest:
+        return "its sources are newer than the library built there (DeepSpeed was installed again since)"
+    try:
+        command = (folder / "build.ninja").read_text().replace("$ ", " ").replace("'", "")
+    except OSError:
+        command = ""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    ours = [*map(str, sources + includes), *include_paths(), *library_paths()]
+    if any(path not in command for path in ours):
+        other = re.search(r"-isystem (\S+?)/torch/include", command)
+        return ("it was built there by another environment" + (f" (of {other.group(1)})" if other else "")
+                + ", whose build command names its own paths; environments that share a TORCH_EXTENSIONS_DIR rebuild "
+                "each other's ops: unset it (each environment then builds into its own folder) or give each its own")
+    written, used = ninja_log_version(folder / ".ninja_log"), ninja_writes()
+    if written and used and written != used[1]:
+        return (f"it was built by another ninja (its build log is {written}; the first ninja on PATH, {used[0]}, "
+                f"writes {used[1]} and starts over); a run with the other ninja first on PATH rebuilds it back: start "
+                "runs with the same PATH (the environment activated, or not)")
+    return None
+
+
+def ninja_log_version(log: Path) -> str | None:
+    """A ninja build log's version ("v5"), from its first line; None when there is none."""
+    try:
+        with open(log) as stream:
+            match = re.match(r"# ninja log (v\d+)", stream.readline())
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+def ninja_writes() -> tuple[str, str] | None:
+    """(path, log version) of the ninja torch runs (the first on PATH): a log of another version is discarded."""
+    import shutil
+
+    ninja = shutil.which("ninja")
+    return (ninja, _log_version_of(ninja)) if ninja else None
+
+
+@functools.cache
+def _log_version_of(ninja: str) -> str | None:
+    """The log version this ninja writes, from one trivial build in a temporary folder (milliseconds)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="trainer-ext-ninja-") as folder:
+        (Path(folder) / "build.ninja").write_text("rule touch\n  command = touch $out\nbuild done: touch\n")
+        try:
+            subprocess.run([ninja], cwd=folder, capture_output=True, timeout=60, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return ninja_log_version(Path(folder) / ".ninja_log")
+
+
+def check_buildable_here(builders) -> None:
+    """Before any work, for ops this run will compile: torch links them with its library folder unquoted
+    (`-L<torch>/lib`), so a path with a space fails the link after minutes (ld: cannot find ...)."""
+    from torch.utils.cpp_extension import library_paths
+
+    from ...errors import UserError
+
+    spaced = [path for path in library_paths() if any(char.isspace() for char in path)]
+    if builders and spaced:
+        names = ", ".join(builder.NAME for builder in builders)
+        many = len(builders) > 1
+        raise UserError(f"DeepSpeed would build its {names} op{'s' if many else ''} here, and torch links "
+                        f"{'them' if many else 'it'} with {spaced[0]} unquoted: its space splits the path (ld: cannot find ...). Create the "
+                        f"environment at a path without spaces (e.g. python3 -m venv ~/venvs/trainer_ext, or make setup "
+                        f"VENV=~/venvs/trainer_ext)")
 
 
 def cpu_accelerator() -> bool:
@@ -161,20 +259,29 @@ def build_time(name: str, cpu: bool) -> str:
 
 
 def announce_builds(config: dict) -> list[str]:
-    """Before DeepSpeed loads an op this run needs and this environment has not built: say which, that it is built once
-    per environment, roughly how long it takes and how to build it ahead (main process, once per op); DeepSpeed itself
-    prints nothing while it compiles. Returns what was said."""
+    """Before DeepSpeed loads an op this run needs and will compile (not built in this folder yet, built by another
+    environment or ninja, or from older sources): say which, why, where, roughly how long it takes and how to build it
+    ahead (main process, once per op); DeepSpeed itself prints nothing while it compiles. Refused before any work where
+    the build cannot succeed (check_buildable_here). Returns what was said."""
     from ...errors import main_process
 
     cpu = cpu_accelerator()
+    builds = [(builder, reason) for builder in op_builders(needed_builders(config, cpu))
+              if builder.is_compatible(verbose=False) and (reason := rebuild_reason(builder))]
+    check_buildable_here([builder for builder, _ in builds])
     said = []
-    for builder in op_builders(needed_builders(config, cpu)):
-        if builder.NAME in _ANNOUNCED or is_built(builder) or not builder.is_compatible(verbose=False):
+    for builder, reason in builds:
+        if builder.NAME in _ANNOUNCED:
             continue
         _ANNOUNCED.add(builder.NAME)
-        said.append(f"DeepSpeed builds its {builder.NAME} op before this run trains: once per environment (into "
-                    f"{build_folder(builder.NAME)}), {build_time(builder.NAME, cpu)}, with nothing printed "
-                    "meanwhile; `trainer-ext build-ops` builds DeepSpeed's ops ahead of a run")
+        folder, time_taken = build_folder(builder.NAME), build_time(builder.NAME, cpu)
+        if reason == "first":
+            said.append(f"DeepSpeed builds its {builder.NAME} op before this run trains: once per environment (into "
+                        f"{folder}), {time_taken}, with nothing printed meanwhile; `trainer-ext build-ops` builds "
+                        "DeepSpeed's ops ahead of a run")
+        else:
+            said.append(f"DeepSpeed rebuilds its {builder.NAME} op in {folder} before this run trains, "
+                        f"{time_taken}, with nothing printed meanwhile: {reason}")
     if main_process():
         for line in said:
             logger.warning(line)
@@ -192,6 +299,11 @@ def build_ops(out=None, only=None) -> int:
     cpu = cpu_accelerator()
     if not cpu:
         prepare_for_deepspeed()  # a TORCH_CUDA_ARCH_LIST DeepSpeed's builder can read
+    with environment_folder_used():
+        return _build(out, only, cpu)
+
+
+def _build(out, only, cpu: bool) -> int:
     builders = op_builders(DEFAULT_BUILDERS)
     if only:
         from ...errors import ArgumentsError, closest
@@ -203,7 +315,9 @@ def build_ops(out=None, only=None) -> int:
                      for name in unknown]
             raise ArgumentsError(f"--only {', '.join(hints)}: not one of this machine's ops: {', '.join(names)}")
         builders = [builder for builder in builders if builder.NAME in only]
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or f"{build_folder('x').parent} (set TORCH_EXTENSIONS_DIR to move it)"
+    check_buildable_here([builder for builder in builders if builder.is_compatible(verbose=False)
+                          and rebuild_reason(builder)])
+    root = extensions_dir()
     print(f"DeepSpeed's ops for this machine ({'CPU' if cpu else 'GPU'} ranks), built in {root}:", file=out, flush=True)
     failed = 0
     for builder in builders:
@@ -211,9 +325,11 @@ def build_ops(out=None, only=None) -> int:
             print(f"  {builder.NAME}: cannot be built here, skipped (DeepSpeed will not load it on this machine)",
                   file=out, flush=True)
             continue
-        built = is_built(builder)
-        print(f"  {builder.NAME}: " + ("built already, loading" if built else
-                                       f"building ({build_time(builder.NAME, cpu)})"), file=out, flush=True)
+        reason = rebuild_reason(builder)
+        built = reason is None
+        print(f"  {builder.NAME}: " + ("built already, loading" if built else f"building ({build_time(builder.NAME, cpu)})"
+                                       if reason == "first" else f"rebuilding: {reason} "
+                                       f"({build_time(builder.NAME, cpu)})"), file=out, flush=True)
         start = time.monotonic()
         with _ticking(out, start, every_s=None if built else 30.0):
             try:
