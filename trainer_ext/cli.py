@@ -328,8 +328,10 @@ def build_ops(argv: list[str]) -> int:
         print(f"trainer-ext build-ops: error: DeepSpeed is not installed, so it has no ops to build: {INSTALL}",
               file=sys.stderr)
         return 2
+    from .backends.deepspeed.leftovers import clear_stale_build_locks
     from .backends.deepspeed.ops import build_ops as build
 
+    clear_stale_build_locks()  # a killed build's lock would make this wait forever
     return build(only=args.only)
 
 

@@ -298,9 +298,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                      gradient_accumulation_steps=args.gradient_accumulation_steps)
         resume = self._resume
         if is_stream(self.train_dataset):
-            if args.max_steps <= 0:
-                raise UserError(f"the training set ({type(self.train_dataset).__name__}) is a stream with no length, so "
-                                "an epoch has no end: give --max_steps (the optimizer steps to train)")
+            check_training_data(self.train_dataset, args)  # also a training set given after construction
             order = TrainingStream(self.train_dataset, internals.train_batch_size(self), **shape)
             if resume is not None:
                 how = order.resume(resume["step"], resume["state"], skipped_by_trainer=not args.ignore_data_skip)

@@ -104,7 +104,7 @@ def loading_args(rank, world_size=2, efficient=True, place_model_on_device=False
     mode = ParallelMode.DISTRIBUTED if world_size > 1 else ParallelMode.NOT_DISTRIBUTED
     return SimpleNamespace(fsdp="full_shard", fsdp_config={"cpu_ram_efficient_loading": efficient}, fsdp_settings=None,
                            process_index=rank, world_size=world_size, place_model_on_device=place_model_on_device,
-                           parallel_mode=mode, global_batch="settled when parsed")
+                           parallel_mode=mode, global_batch="settled when parsed", ddp_timeout=1800)
 
 
 def test_sharded_loading_builds_the_model_empty_on_ranks_after_the_first(tmp_path, as_launched_rank):

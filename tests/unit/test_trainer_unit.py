@@ -282,6 +282,9 @@ def test_an_iterable_dataset_with_a_length_and_no_max_steps_is_one_line_before_t
         def __len__(self):
             return 8
 
-    trainer = trainer_for(tmp_path, tiny_bert(), train_dataset=Sized())
-    with pytest.raises(UserError, match=r"^the training set \(Sized\) is a stream .*: give --max_steps "):
+    with pytest.raises(UserError, match=r"^the training set \(Sized\) is a stream, .*: give --max_steps "):
+        trainer_for(tmp_path, tiny_bert(), train_dataset=Sized())
+    trainer = trainer_for(tmp_path, tiny_bert())
+    trainer.train_dataset = Sized()  # given after construction: refused when training starts
+    with pytest.raises(UserError, match=r"^the training set \(Sized\) is a stream, .*: give --max_steps "):
         trainer.get_train_dataloader()

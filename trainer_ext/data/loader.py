@@ -15,14 +15,16 @@ PADDING_COLLATORS = ("DataCollatorWithPadding", "DataCollatorForSeq2Seq", "DataC
 
 
 def check_training_data(train_dataset, args) -> None:
-    """What transformers' Trainer refuses when it is built, said first in one line: a stream (an IterableDataset, or a
-    dataset without a length) and no --max_steps (transformers: a ValueError traceback from Trainer.__init__)."""
+    """A stream (an IterableDataset, or a dataset without a length) and no --max_steps, in one line: when ExtTrainer is
+    built (transformers: a ValueError traceback from Trainer.__init__) and when it trains (a training set given after
+    construction; transformers misses an IterableDataset that defines __len__, which ExtTrainer reads as a stream)."""
     from .stream import is_stream
 
     max_steps = args.max_steps if args is not None else -1  # no arguments: transformers' defaults
     if train_dataset is not None and is_stream(train_dataset) and max_steps <= 0:
-        raise UserError(f"the training set ({type(train_dataset).__name__}) is a stream with no length, so an epoch "
-                        "has no end: give --max_steps (the optimizer steps to train; max_steps= in TrainingArguments)")
+        raise UserError(f"the training set ({type(train_dataset).__name__}) is a stream, read in order with no epoch "
+                        "ExtTrainer can count: give --max_steps (the optimizer steps to train; max_steps= in "
+                        "TrainingArguments)")
 
 
 def text_columns(dataset) -> list[str]:

@@ -292,10 +292,8 @@ def build_ops(out=None, only=None) -> int:
     """`trainer-ext build-ops`: build (or load, when built already) every op of DEFAULT_BUILDERS this machine's DeepSpeed
     can build (`only`: those of these names), with what each took; 0 when all are ready, 1 when a build failed."""
     from .cuda_arch import prepare_for_deepspeed
-    from .leftovers import clear_stale_build_locks
 
     out = out or sys.stdout
-    clear_stale_build_locks()  # a killed build's lock would make this wait forever
     cpu = cpu_accelerator()
     if not cpu:
         prepare_for_deepspeed()  # a TORCH_CUDA_ARCH_LIST DeepSpeed's builder can read
