@@ -121,6 +121,18 @@ def test_the_cache_is_built_once_and_again_only_for_what_changes_the_samples(tmp
         assert "written to the cache" in capsys.readouterr().out, change
 
 
+def test_preprocessing_workers_tokenize_the_same_samples(tmp_path, tokenizer, monkeypatch):
+    """--preprocessing_num_workers 2: batches of 7 rows tokenized in two processes, written in the file's order."""
+    from trainer_ext.tasks import chat_datasets
+
+    path = write_lines(tmp_path / "chat.jsonl", [json.loads(line) for line in
+                                                 (SHIPPED / "train.jsonl").read_text().splitlines()[:60]])
+    here = rows_of(prepared(path, tmp_path, tokenizer, packing=False))
+    monkeypatch.setattr(chat_datasets, "BATCH_ROWS", 7)
+    workers = prepared(path, tmp_path, tokenizer, packing=False, overwrite_cache=True, preprocessing_num_workers=2)
+    assert rows_of(workers) == here and workers.manifest["rows"] == 60
+
+
 def damage(folder, kind):
     """One kind of damage to a cache folder."""
     samples = folder / "samples.arrow"

@@ -201,6 +201,8 @@ BAD_FLAGS = {
     "packing with a cache": (["--packing", "--use_cache", "true"], ["--packing with --use_cache true",
                                                                      "drop --use_cache"]),
     "template file": (["--chat_template", "missing.jinja"], ["--chat_template missing.jinja", "no such file"]),
+    "streaming without max_steps": (["--streaming"], ["--streaming reads the training file as a stream",
+                                                      "give --max_steps"]),
 }
 
 
@@ -346,12 +348,13 @@ def test_other_column_names_are_read_through_the_column_flags(tmp_path, capsys):
     from trainer_ext.tasks.chat_data import Columns, read_rows
 
     path = write_lines(tmp_path / "qa.jsonl", [{"question": "Q: 2+2?\nA: ", "answer": "4", "id": 7}])
+    err = user_error(capsys, "run_clm", "--output_dir", tmp_path / "out", "--do_train", "--train_file", path)
+    assert "line 1: fields ['answer', 'id', 'question']" in err
+    assert "e.g. --dataset_columns prompt=question,completion=answer" in err, err
     mapped = read_rows(path, columns=Columns.from_flags(None, "prompt=question, completion=answer"))
     assert mapped.rows == [{"prompt": "Q: 2+2?\nA: ", "completion": "4"}]
     notes = write_lines(tmp_path / "notes.jsonl", [{"body": "Some text."}])
     assert read_rows(notes, columns=Columns.from_flags("body", None)).rows == [{"text": "Some text."}]
-    err = user_error(capsys, "run_clm", "--output_dir", tmp_path / "out", "--do_train", "--train_file", path)
-    assert "line 1: fields ['answer', 'id', 'question']" in err and "--dataset_columns" in err
     for flags, words in ((["--dataset_columns", "promt=question"], "'promt' is not a field this recipe reads (did "
                                                                     "you mean 'prompt'?)"),
                          (["--dataset_columns", "prompt"], "'prompt' names no column"),

@@ -94,12 +94,12 @@ def row_format(path, number: int, value: dict, columns: Columns) -> str:
     hint = ("; it has 'prompt' but no 'completion'" if has("prompt") else
             "; it has 'completion' but no 'prompt'" if has("completion") else
             "; it has 'instruction' but no 'output' (Alpaca)" if has("instruction") else "")
-    keys = sorted(value)
-    mapping = (f"--dataset_text_field {keys[0]}" if len(keys) == 1 and isinstance(value[keys[0]], str) else
-               f"--dataset_columns messages={keys[0]}" if len(keys) == 1 else
-               f"--dataset_columns prompt={keys[0]},completion={keys[1]}" if len(keys) == 2 else
-               "--dataset_columns FIELD=COLUMN,...")
-    raise DataError(f"{row(path, number)}: fields {keys}; each line needs 'messages' (a list of {{\"role\", "
+    texts = [key for key, field_value in value.items() if isinstance(field_value, str)]  # in the file's order
+    turns = [key for key, field_value in value.items() if isinstance(field_value, list)]
+    mapping = (f"--dataset_text_field {texts[0]}" if len(texts) == 1 and not turns else
+               f"--dataset_columns prompt={texts[0]},completion={texts[1]}" if len(texts) == 2 and not turns else
+               f"--dataset_columns messages={turns[0]}" if len(turns) == 1 else "--dataset_columns FIELD=COLUMN,...")
+    raise DataError(f"{row(path, number)}: fields {sorted(value)}; each line needs 'messages' (a list of {{\"role\", "
                     "\"content\"}), 'prompt' and 'completion', or 'text' (or ShareGPT's 'conversations', Alpaca's "
                     f"'instruction' and 'output'){hint}; for columns of other names give e.g. {mapping}")
 
@@ -297,8 +297,8 @@ def _content(where: str, content) -> str:
         for number, part in enumerate(content, 1):
             kind = part.get("type", "text" if "text" in part else None)
             if kind not in TEXT_PARTS:
-                raise DataError(f"{where}: content part {number} is {json.dumps(part)[:60]}: a {kind or 'typeless'} "
-                                "part; this recipe trains on text alone (remove the part, or the row)")
+                raise DataError(f"{where}: content part {number} is {json.dumps(part)[:60]}, of type {kind!r}, not "
+                                "text; this recipe trains on text alone (remove the part, or the row)")
             if not isinstance(part.get("text"), str):
                 raise DataError(f"{where}: content part {number} ({kind}) has no 'text' string")
             texts.append(part["text"])

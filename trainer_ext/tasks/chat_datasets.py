@@ -63,7 +63,8 @@ def cached_split(split: str, source: ChatFile, encoder: Encoder, root: Path, tra
                   f"from the cache {entry.folder} (--overwrite_cache tokenizes again)", flush=True)
         else:
             seconds = max(manifest["tokenize_seconds"], 1e-3)
-            print(f"trainer_ext: {split}: {manifest['rows']:,} rows of {source.path} read and tokenized in "
+            rows = f"{manifest['rows']:,} row{'s' if manifest['rows'] != 1 else ''}"
+            print(f"trainer_ext: {split}: {rows} of {source.path} read and tokenized in "
                   f"{seconds:.1f} s ({manifest['rows'] / seconds:,.0f} rows/s)"
                   + (f", packed in {manifest['pack_seconds']:.1f} s" if packing else "")
                   + f"; written to the cache {entry.folder}", flush=True)
@@ -107,10 +108,10 @@ def build(folder: Path, split: str, source: ChatFile, encoder: Encoder, limit, p
     return counts
 
 
-def row_batches(source: ChatFile, limit: int | None, bar=None, size: int = BATCH_ROWS):
+def row_batches(source: ChatFile, limit: int | None, bar=None):
     """The file's first `limit` rows in batches; the rows after them are read and checked too (the whole file is
     the user's to fix before training), not tokenized."""
-    batch, taken, position = [], 0, 0
+    batch, taken, position, size = [], 0, 0, BATCH_ROWS
     for r in source.rows():
         if limit is None or taken < limit:
             batch.append(r)
