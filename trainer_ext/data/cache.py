@@ -185,13 +185,16 @@ def on_each_machine(args, work, waiting: str):
         dist.destroy_process_group(group)
     if failure is not None:
         raise failure
-    mains = [(host, kind, value) for host, (kind, value) in (item for item in outcomes if item[1] is not None)]
-    for host, kind, value in mains:
+    for host, (kind, value) in ((host, outcome) for host, outcome in outcomes if outcome is not None):
         if kind == "refused":
             raise value  # every rank ends with the same line
         if kind == "failed":
             raise RuntimeError(f"the main process of {host} failed while preparing the data: {value}")
-    return next(value for host, _, value in mains if host == socket.gethostname())
+    # A machine's ranks are numbered one after the other (torchrun, deepspeed): its main is this rank's first.
+    mine = outcomes[dist.get_rank() - args.local_process_index]
+    if mine[0] != socket.gethostname() or mine[1] is None:  # another numbering: any main of this host
+        mine = next(item for item in outcomes if item[0] == socket.gethostname() and item[1] is not None)
+    return mine[1][1]
 
 
 def _wait(work, local_rank: int, waiting: str, after_s: float = 3.0) -> None:

@@ -97,7 +97,7 @@ def build(folder: Path, split: str, source: ChatFile, encoder: Encoder, limit, p
     writer.close()
     counts.update(samples=writer.samples, tokens=writer.tokens, tokenize_seconds=round(time.time() - started, 2),
                   source=source.path, format=source.format)
-    if packing and writer.samples:
+    if packing:
         started = time.time()
         lengths = TokenTable(folder / "samples.arrow").lengths()
         with tqdm(total=len(lengths), unit=" samples", desc=f"pack {split}", **bars) as bar:
