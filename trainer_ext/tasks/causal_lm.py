@@ -1,6 +1,7 @@
-"""Causal-LM fine-tuning (SFT): JSON lines of chat `messages`, `prompt`/`completion` or plain `text` -> a fine-tuned
-decoder (full, or LoRA adapters through peft), with completion-only loss, packing, and evaluation loss, perplexity and
-next-token accuracy on the target tokens. With no --model_name_or_path: a tiny Llama built from a config, with a
+"""Causal-LM fine-tuning (SFT): JSON lines of chat `messages` (ShareGPT and Alpaca rows too), `prompt`/`completion` or
+plain `text`, tokenized once per machine into the data cache (or streamed) -> a fine-tuned decoder (full, or LoRA
+adapters through peft), with completion-only loss, packing, and evaluation loss, perplexity and next-token accuracy on
+the target tokens. With no --model_name_or_path: a tiny Llama built from a config, with a
 byte-level tokenizer built offline (written once to the cache folder and loaded from there like any model folder)."""
 
 from __future__ import annotations
