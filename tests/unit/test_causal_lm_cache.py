@@ -70,9 +70,9 @@ class Tokenizations:
         self.rows = 0
         samples = Encoder.samples
 
-        def counted(encoder, rows):
+        def counted(encoder, rows, *rendered):
             self.rows += len(rows)
-            return samples(encoder, rows)
+            return samples(encoder, rows, *rendered)
 
         monkeypatch.setattr(Encoder, "samples", counted)
 

@@ -385,11 +385,12 @@ class Encoder:
     max_length: int
     path: str = ""
 
-    def __call__(self, rows: list[Row]) -> Encoded:
-        """The rows' samples, cut to max_length; a row no target token survives in before any cut is the user's to
-        fix (DataError naming its line), one that loses them all to the cut is left out."""
+    def __call__(self, rows: list[Row], rendered: list | None = None) -> Encoded:
+        """The rows' samples (`rendered`: their render(), when done ahead), cut to max_length; a row no target token
+        survives in before any cut is the user's to fix (DataError naming its line), one that loses them all to the
+        cut is left out."""
         ids, labels, lengths, truncated, lost = [], [], [], 0, 0
-        for r, (sample, target) in zip(rows, self.samples(rows)):
+        for r, (sample, target) in zip(rows, self.samples(rows, rendered)):
             if not (target[1:] != IGNORE).any():
                 raise DataError(f"{row(self.path, r.line)}: no token carries a label: completion-only loss found no "
                                 "assistant/completion token in the rendered text (check that the chat template "
@@ -406,10 +407,15 @@ class Encoder:
         join = lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)  # noqa: E731
         return Encoded(join(ids), join(labels), np.array(lengths, dtype=np.int64), truncated, lost)
 
-    def samples(self, rows: list[Row]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def render(self, rows: list[Row]) -> list[tuple[str, list, bool]]:
+        """Each row's text, the spans completion-only loss trains, and whether the tokenizer adds its special tokens:
+        Python alone, so a thread can render a batch while the tokenizer (which releases the GIL) works."""
+        return [self._render(r) for r in rows]
+
+    def samples(self, rows: list[Row], rendered: list | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each row's ids and labels, untruncated; text and prompt/completion rows end with the eos token (the model
         learns to end the text)."""
-        pieces = [self._render(r) for r in rows]
+        pieces = rendered if rendered is not None else self.render(rows)
         out = [None] * len(rows)
         for special in (False, True):
             chosen = [i for i, piece in enumerate(pieces) if piece[2] == special]

@@ -142,10 +142,22 @@ def _set_worker_encoder(encoder):
 
 def encoded_batches(batches, encoder: Encoder, workers: int | None):
     """(rows, encoded) per batch, in order: here, or with --preprocessing_num_workers N in N processes (at most 2N
-    batches in flight, so memory stays flat however large the file)."""
+    batches in flight, so memory stays flat however large the file). Here, a thread reads, checks and renders the next
+    batch (Python) while the tokenizer, which releases the GIL, works on this one."""
     if not workers or workers < 2:
-        for rows in batches:
-            yield rows, encoder(rows)
+        from concurrent.futures import ThreadPoolExecutor
+
+        batches = iter(batches)
+
+        def rendered():
+            rows = next(batches, None)
+            return None if rows is None else (rows, encoder.render(rows))
+
+        with ThreadPoolExecutor(1) as ahead:
+            pending = ahead.submit(rendered)
+            while (done := pending.result()) is not None:
+                pending = ahead.submit(rendered)
+                yield done[0], encoder(*done)
         return
     import multiprocessing
 
