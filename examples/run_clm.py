@@ -1,5 +1,5 @@
-"""Fine-tune a causal LM (SFT) with ExtTrainer: chat `messages`, `prompt`/`completion` or plain `text` JSON lines;
-full or LoRA (--lora_r); --packing; one process, torchrun DDP, deepspeed ZeRO-2/3, FSDP2 (--fsdp) or --sharded_ddp
+"""Fine-tune a causal LM (SFT) with ExtTrainer: chat `messages` (or ShareGPT, Alpaca), `prompt`/`completion` or plain
+`text` JSON lines of any size (tokenized once per machine, or --streaming); full or LoRA (--lora_r); --packing; one process, torchrun DDP, deepspeed ZeRO-2/3, FSDP2 (--fsdp) or --sharded_ddp
 simple, unchanged.
 
 With no --model_name_or_path it builds a tiny Llama from a config with a byte-level tokenizer (offline); with no data

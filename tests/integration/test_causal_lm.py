@@ -3,7 +3,9 @@ same global batch of 8): LoRA under DeepSpeed ZeRO-3 (stopped by SIGTERM on one 
 torchrun DDP, and a full fine-tune with --packing under FSDP2 (its decoder layer found by itself) and --sharded_ddp
 simple, each equal to one process step by step, in its weights (or adapter) and its evaluation; a LoRA checkpoint of 2
 ranks resumed on 1 equal to the uninterrupted run; `trainer-ext merge` folding the adapter into weights that predict
-what base + adapter predicted."""
+what base + adapter predicted; the tokenized data cache built by one rank of a fresh machine and reused by the next
+runs' ranks (their tokenizer calls counted); --streaming with packing stopped by SIGTERM on one of 2 ranks and continued
+by the same command, equal to one uninterrupted process."""
 
 import importlib.util
 import json
@@ -16,6 +18,7 @@ import pytest
 
 from conftest import (BIN, EXAMPLES, PYTHON, REPO, TINY_COMMON, clean_env, free_port, launch, launcher, logged,
                       rank_process, run, run_forked, scratch)
+from support.environment import count_tokenized, signal_at_step, tokenized_per_rank
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed,
               pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft (pip install -e '.[test]')")]
@@ -27,6 +30,7 @@ COMMON = ["--do_train", "--do_eval", "--max_steps", STEPS, "--learning_rate", "3
           4, "--max_seq_length", 192, "--save_steps", 2, "--disable_tqdm", "true", "--seed", 7]
 LORA = [*COMMON, "--lora_r", 4]
 PACKED = [*COMMON, "--packing", "--max_seq_length", 256]
+STREAMED = [*PACKED, "--streaming"]  # 48 rows pack into fewer rows than the 6 steps take: the stream's passes repeat
 
 
 def adapter(output_dir):
@@ -55,15 +59,25 @@ def runs(request):
     root = scratch(request, "clm")
     env = {"TRAINER_EXT_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1"}
     singles = {name: ([PYTHON, CLM, "--output_dir", root / name, *flags, "--per_device_train_batch_size", 8], env)
-               for name, flags in (("single_lora", LORA), ("single_packed", PACKED))}
+               for name, flags in (("single_lora", LORA), ("single_packed", PACKED), ("single_streamed", STREAMED))}
     for name, done in run_forked(singles, timeout=600).items():
         assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     preempted_then_again(root / "zero3_lora", [*LORA, "--per_device_train_batch_size", 4, "--deepspeed", "zero3"], env)
     launch("torchrun", root / "ddp_lora", *LORA, "--per_device_train_batch_size", 4, script=CLM, env=env)
+    for name in ("warm", "fresh"):
+        (root / "tokenized" / name).mkdir(parents=True)
+    # single_packed built this tokenized data: every rank reads it; a machine of its own (a fresh cache) builds it once
     launch("torchrun", root / "fsdp2_packed", *PACKED, "--per_device_train_batch_size", 4, "--fsdp",
-           "full_shard auto_wrap", script=CLM, env=env)
+           "full_shard auto_wrap", script=CLM, env={**count_tokenized(root / "tokenized" / "warm"), **env})
     launch("launch", root / "simple_packed", *PACKED, "--per_device_train_batch_size", 4, "--sharded_ddp", "simple",
-           script=CLM, env=env)
+           script=CLM, env={**count_tokenized(root / "tokenized" / "fresh"), **env,
+                            "TRAINER_EXT_CACHE": str(root / "fresh_cache")})
+    streamed = [*launcher("torchrun"), "--nproc_per_node", 2, "--master_port", free_port(), CLM, "--output_dir",
+                root / "streamed", *TINY_COMMON, *STREAMED, "--per_device_train_batch_size", 4]
+    for attempt, hooks in (("first", signal_at_step(3, rank=1)), ("again", clean_env())):
+        out = run([str(c) for c in streamed], env={**hooks, **env})
+        (root / f"streamed.{attempt}.log").write_text(out.stdout + out.stderr)
+        assert attempt == "first" or out.returncode == 0, out.stderr[-3000:]
     # 2 ranks -> 1: the DDP run's step-2 adapter checkpoint, continued by one process to step 4
     (root / "resumed_on_1").mkdir()
     shutil.copytree(root / "ddp_lora" / "checkpoint-2", root / "resumed_on_1" / "checkpoint-2")
@@ -159,3 +173,26 @@ def test_merge_folds_the_adapter_into_weights_that_predict_the_same(runs, tmp_pa
         bare = AutoModelForCausalLM.from_pretrained(base)(ids).logits
     assert (merged - unmerged).abs().max().item() < 1e-5
     assert (merged - bare).abs().max().item() > 1e-4  # the adapter changed something
+
+
+def test_the_tokenized_data_is_built_by_one_rank_of_a_machine_and_reused_by_every_later_run(runs):
+    """On a machine with a fresh cache, rank 0 tokenizes the 48 training and 21 validation rows once and rank 1
+    nothing; on a machine whose cache an earlier run filled (the one-process run of the same flags), no rank of the
+    next run tokenizes anything; both train exactly as one process."""
+    assert tokenized_per_rank(runs / "tokenized" / "fresh") == {0: 48 + 21}
+    assert tokenized_per_rank(runs / "tokenized" / "warm") == {}
+    folders = lambda cache: {path.name for path in (runs / cache / "data").iterdir() if path.is_dir()}  # noqa: E731
+    assert len(folders("fresh_cache")) == 2 and folders("fresh_cache") <= folders("cache")  # named by content alone
+
+
+def test_a_stream_stopped_by_sigterm_on_one_rank_continues_exactly_with_the_same_command(runs):
+    """--streaming --packing on 2 ranks, rank 1 signalled at the end of step 3: checkpoint-3 holds the stream's
+    position, the same command continues from it (not from the file's start), and steps 1-6 and the weights equal
+    one uninterrupted process."""
+    first, again = (runs / "streamed.first.log").read_text(), (runs / "streamed.again.log").read_text()
+    assert "preempted: checkpoint" in first and "checkpoint-3" in first, first[-3000:]
+    assert "resuming from" in again and "from the dataset's saved position (exact)" in again, again[-3000:]
+    single, resumed = logged(runs / "single_streamed"), logged(runs / "streamed")
+    assert sorted(single) == sorted(resumed) == list(range(1, STEPS + 1))
+    assert max(abs(single[s] - resumed[s]) for s in single) < 1e-5
+    assert largest_difference(model_weights(runs / "single_streamed"), model_weights(runs / "streamed")) < 1e-5

@@ -3,7 +3,7 @@ rank each) stand for two nodes. One node leaves at step 6 (lost: its agent and w
 gets a scheduler's SIGTERM), the other continues alone from the newest checkpoint with the same global batch, then a
 new agent for the node joins and the group grows back at a preemption checkpoint; every step's loss and the final
 weights equal one uninterrupted process's over the same global batches, and each restart says which checkpoint it
-continued from and how many steps it redid. The steps are those of tests/scripts/signal_at_step, not timings."""
+continued from and how many steps it redid. The steps are those of tests/scripts/hooks, not timings."""
 
 import re
 

@@ -106,7 +106,7 @@ def test_six_trial_search_prunes_keeps_the_best_and_never_runs_a_trial_twice(tmp
 @pytest.mark.model_package
 def test_a_killed_two_rank_search_continues_its_interrupted_trial_from_its_checkpoint(tmp_path):
     """--launcher deepspeed --num_gpus 2, then SIGKILL to the search's process group at the end of step 4 (rank 0 sends
-    it, tests/scripts/signal_at_step): both ranks still checkpoint step 4 and stop (the trial's guard gets SIGTERM;
+    it, tests/scripts/hooks): both ranks still checkpoint step 4 and stop (the trial's guard gets SIGTERM;
     deepspeed's runner passes nothing on); the same command waits for Optuna to find the trial's heartbeat stale, then
     continues its retry with its values and its ZeRO stage from checkpoint-4, in its folder, and adds no other trial."""
     path = tiny_search(tmp_path, {"max_trials": 1, "metric": "loss", "heartbeat_interval": 1, "grace_period": 3,

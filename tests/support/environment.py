@@ -47,11 +47,30 @@ def launcher(name):
     return [PYTHON, "-m", {"torchrun": "torch.distributed.run", "deepspeed": "deepspeed.launcher.runner"}[name]]
 
 
+def with_hooks(**variables) -> dict:
+    """clean_env() with tests/scripts/hooks/sitecustomize.py on PYTHONPATH and its `variables` set."""
+    env = clean_env()
+    hooks = str(REPO / "tests" / "scripts" / "hooks")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [hooks, env.get("PYTHONPATH")]))
+    return {**env, **variables}
+
+
 def signal_at_step(step: int, rank: int, signal_name: str = "SIGTERM") -> dict:
     """clean_env() for a run whose rank `rank` sends itself `signal_name` when it ends optimizer step `step`
-    (tests/scripts/signal_at_step/sitecustomize.py): a preemption at the same step every run, on any machine."""
-    env = clean_env()
-    hook = str(REPO / "tests" / "scripts" / "signal_at_step")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [hook, env.get("PYTHONPATH")]))
-    env["TRAINER_EXT_TEST_SIGNAL"] = f"{step}:{rank}:{signal_name}"
-    return env
+    (tests/scripts/hooks): a preemption at the same step every run, on any machine."""
+    return with_hooks(TRAINER_EXT_TEST_SIGNAL=f"{step}:{rank}:{signal_name}")
+
+
+def count_tokenized(folder) -> dict:
+    """clean_env() for a run whose processes count the texts they tokenize in `folder` (tests/scripts/hooks), read
+    back by tokenized_per_rank."""
+    return with_hooks(TRAINER_EXT_TEST_COUNT_TOKENIZED=str(folder))
+
+
+def tokenized_per_rank(folder) -> dict:
+    """{rank: texts tokenized} of every process that counted into `folder` (count_tokenized)."""
+    counts = {}
+    for record in Path(folder).glob("rank*"):
+        rank = int(record.name[4:].split(".")[0])
+        counts[rank] = counts.get(rank, 0) + sum(int(line) for line in record.read_text().split())
+    return counts

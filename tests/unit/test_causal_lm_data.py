@@ -163,7 +163,14 @@ BAD_ROWS = {
     "unknown role": ([GOOD, chat(("user", "Hi?"), ("asistant", "Hello."))],
                      ["line 2", "role 'asistant'", "did you mean 'assistant'"]),
     "no assistant turn": ([GOOD, chat(("system", "S."), ("user", "Hi?"))], ["line 2", "no assistant turn"]),
-    "sharegpt": ([{"conversations": [{"from": "human", "value": "Hi"}]}], ["line 1", "ShareGPT", "'from' to 'role'"]),
+    "sharegpt without an answer": ([{"conversations": [{"from": "human", "value": "Hi"}]}],
+                                   ["line 1", "conversations has no assistant turn"]),
+    "sharegpt turns under messages": ([{"messages": [{"from": "human", "value": "Hi"}]}],
+                                      ["line 1", "needs 'role' and 'content'", "--dataset_columns conversations"]),
+    "image part": ([GOOD, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x.png"}]},
+                                        {"role": "assistant", "content": "A cat."}]}],
+                   ["line 2", "turn 1 (user): content part 1", "image_url", "text alone"]),
+    "alpaca without output": ([{"instruction": "Say hi.", "input": ""}], ["line 1", "'instruction' but no 'output'"]),
     "empty completion": ([{"prompt": "Q: ", "completion": ""}], ["line 1", "'completion' is empty"]),
     "mixed formats": ([GOOD, {"text": "plain"}], ["line 2", "a text row in a file of messages rows"]),
     "no known field": ([{"question": "Q", "answer": "A"}], ["line 1", "'messages'", "'prompt' and 'completion'"]),
@@ -194,6 +201,8 @@ BAD_FLAGS = {
     "packing with a cache": (["--packing", "--use_cache", "true"], ["--packing with --use_cache true",
                                                                      "drop --use_cache"]),
     "template file": (["--chat_template", "missing.jinja"], ["--chat_template missing.jinja", "no such file"]),
+    "streaming without max_steps": (["--streaming"], ["--streaming reads the training file as a stream",
+                                                      "give --max_steps"]),
 }
 
 
@@ -240,19 +249,19 @@ def test_a_template_that_drops_the_assistant_names_the_row(tmp_path, capsys):
 def test_truncation_is_counted_and_samples_without_targets_are_left_out(tmp_path, tokenizer, capsys):
     from transformers import TrainingArguments
 
-    from trainer_ext.tasks.causal_lm import DataArguments, tokenize
-    from trainer_ext.tasks.chat_data import read_rows
+    from trainer_ext.tasks.causal_lm import DataArguments, tokenized
+    from trainer_ext.tasks.chat_data import ChatFile
 
     path = write_lines(tmp_path / "train.jsonl", [
         GOOD, {"messages": [{"role": "user", "content": "x" * 80}, {"role": "assistant", "content": "y"}]},
         {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "z" * 80}]}])
-    rows = {"train": read_rows(path, "train")}
     data = DataArguments(train_file=str(path), max_seq_length=40)
-    out = tokenize(rows, tokenizer, tokenizer.chat_template, data, TrainingArguments(str(tmp_path / "o")),
-                   {"train": None})
+    out = tokenized({"train": ChatFile(path)}, tokenizer, tokenizer.chat_template, data,
+                    TrainingArguments(str(tmp_path / "o")))
     said = capsys.readouterr().out
     assert "2 of 3 samples are longer than --max_seq_length 40" in said and "1 of them lost every target" in said
-    assert len(out["train"]) == 2 and all(len(ids) <= 40 for ids in out["train"]["input_ids"])
+    train = out["train"].dataset
+    assert len(train) == 2 and all(len(ids) <= 40 for ids in train["input_ids"])
 
 
 def test_lora_without_peft_installed_is_one_line_naming_the_extra(monkeypatch):
@@ -312,3 +321,74 @@ def test_a_users_own_model_folder_without_chat_template_trains_with_the_default_
     assert "no chat template: using ChatML's" in said and "no pad token: padding with its eos token" in said
     config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert config["target_modules"] == ["c_attn"] and config["base_model_name_or_path"] == str(folder)
+
+
+# -- the formats users bring (issue 47 item 8, issue 48) --------------------------------------------------------------
+def test_sharegpt_and_alpaca_rows_read_as_the_chat_they_hold(tmp_path):
+    """ShareGPT (from/value, human/gpt, a top-level system) and Alpaca (instruction, input, output, system, history)
+    rows become the messages the same conversations are written as, so they train the same tokens."""
+    from trainer_ext.tasks.chat_data import read_rows
+
+    turns = [("user", "Q1?"), ("assistant", "A1."), ("user", "Q2?\nmore"), ("assistant", "A2.")]
+    messages = [{"role": "system", "content": "Be brief."}] + [{"role": r, "content": c} for r, c in turns]
+    sharegpt = {"system": "Be brief.", "conversations": [{"from": {"user": "human", "assistant": "gpt"}[r], "value": c}
+                                                          for r, c in turns]}
+    alpaca = {"system": "Be brief.", "history": [["Q1?", "A1."]], "instruction": "Q2?", "input": "more",
+              "output": "A2."}
+    for row in (sharegpt, alpaca):
+        read = read_rows(write_lines(tmp_path / "rows.jsonl", [row, row]))
+        assert read.rows == [{"messages": messages}] * 2, read.kind
+    bare = read_rows(write_lines(tmp_path / "bare.jsonl", [{"instruction": "Hi.", "input": "", "output": "Hello."}]))
+    assert bare.rows == [{"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]}]
+
+
+def test_other_column_names_are_read_through_the_column_flags(tmp_path, capsys):
+    """--dataset_columns prompt=question,completion=answer (and --dataset_text_field, TRL's name) read columns of the
+    user's names; a field this recipe does not read, a pair without a column, or two columns for the text: one line."""
+    from trainer_ext.tasks.chat_data import Columns, read_rows
+
+    path = write_lines(tmp_path / "qa.jsonl", [{"question": "Q: 2+2?\nA: ", "answer": "4", "id": 7}])
+    err = user_error(capsys, "run_clm", "--output_dir", tmp_path / "out", "--do_train", "--train_file", path)
+    assert "line 1: fields ['answer', 'id', 'question']" in err
+    assert "e.g. --dataset_columns prompt=question,completion=answer" in err, err
+    mapped = read_rows(path, columns=Columns.from_flags(None, "prompt=question, completion=answer"))
+    assert mapped.rows == [{"prompt": "Q: 2+2?\nA: ", "completion": "4"}]
+    notes = write_lines(tmp_path / "notes.jsonl", [{"body": "Some text."}])
+    assert read_rows(notes, columns=Columns.from_flags("body", None)).rows == [{"text": "Some text."}]
+    for flags, words in ((["--dataset_columns", "promt=question"], "'promt' is not a field this recipe reads (did "
+                                                                    "you mean 'prompt'?)"),
+                         (["--dataset_columns", "prompt"], "'prompt' names no column"),
+                         (["--dataset_text_field", "body", "--dataset_columns", "text=other"], "two columns")):
+        err = user_error(capsys, "run_clm", "--output_dir", tmp_path / "out", "--do_train", "--train_file", path,
+                         *flags)
+        assert words in err, err
+
+
+def test_content_parts_are_joined_as_text(tmp_path):
+    """OpenAI's and TRL's list of parts: the text parts, joined by a newline, are the turn's content."""
+    from trainer_ext.tasks.chat_data import read_rows
+
+    parts = [{"type": "text", "text": "Look:"}, {"type": "text", "text": "a cat."}]
+    path = write_lines(tmp_path / "parts.jsonl", [{"messages": [{"role": "user", "content": parts},
+                                                                {"role": "assistant", "content": "Yes."}]}])
+    assert read_rows(path).rows[0]["messages"][0]["content"] == "Look:\na cat."
+
+
+@pytest.mark.parametrize("fmt", ["alpaca", "mapped prompt/completion"])
+def test_a_broken_json_line_is_explained_with_a_row_of_the_files_own_format(tmp_path, capsys, fmt):
+    """(Was: a classification row {"sentence": ..., "label": 1} whatever the file held.)"""
+    good, flags, example = (({"instruction": "Hi.", "input": "", "output": "Hello."}, [],
+                              '{"instruction": "...", "input": "...", "output": "..."}') if fmt == "alpaca" else
+                             ({"q": "Hi.", "a": "Hello."}, ["--dataset_columns", "prompt=q,completion=a"],
+                              '{"q": "...", "a": "..."}'))
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(good)[:-3] + "\n")
+    err = user_error(capsys, "run_clm", "--output_dir", tmp_path / "out", "--do_train", "--train_file", path, *flags)
+    assert f"{path} line 2 is not JSON" in err and f"such as {example}" in err, err
+
+
+def test_completion_only_loss_on_text_rows_is_refused(tmp_path, capsys):
+    """Text rows have no completion to single out: the flag was ignored without a word."""
+    err = user_error(capsys, "run_clm", "--output_dir", tmp_path / "out", "--do_train", "--train_file",
+                     SHIPPED / "text.jsonl", "--completion_only_loss", "true")
+    assert "--completion_only_loss true" in err and "holds text rows" in err and not (tmp_path / "out").exists()

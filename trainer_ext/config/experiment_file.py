@@ -26,7 +26,8 @@ SCHEDULER_FIELDS = {"type": "lr_scheduler_type", "warmup_steps": "warmup_steps",
 # Fields typed str for the command line (JSON, comma lists) that also take YAML's structured values.
 TYPES = {"config_kwargs": dict | str | None, "tokenizer_kwargs": dict | str | None, "model_kwargs": dict | str | None,
          "checkpoint_storage_options": dict | str | None, "class_weights": list[float] | str | None,
-         "resume_from_checkpoint": str | Literal[True] | None, "lora_target_modules": list[str] | str | None}
+         "resume_from_checkpoint": str | Literal[True] | None, "lora_target_modules": list[str] | str | None,
+         "dataset_columns": dict | str | None}
 # Fields that hold a path: a relative one is relative to the experiment file's folder (cache_dir: in the
 # config/tokenizer/model keyword arguments; logging_dir: transformers 4).
 PATH_FIELDS = ("train_file", "validation_file", "test_file", "chat_template", "output_dir", "logging_dir",

@@ -1,59 +1,96 @@
-"""Packing and padding for causal LMs. `pack` places tokenized samples into rows of at most `max_length` tokens
-(best-fit decreasing: each sample, longest first, into the fullest row it still fits), each sample keeping its own
-positions 0..n-1 and its first token unlabelled, so that nothing is learnt across a sample boundary. `CausalLMCollator`
-pads plain samples (attention mask, labels -100) or packed rows (position ids, no attention mask: transformers then
-builds each sample's own causal mask from the position ids; flash attention reads them as one flattened row)."""
+"""Packing and padding for causal LMs. `best_fit_decreasing` places tokenized samples into rows of at most
+`max_length` tokens (each sample, longest first, into the fullest row it still fits) in O(n log n) on arrays;
+`PackedRows` reads each row's samples from memory-mapped token sequences when the row is asked for, each sample keeping
+its own positions 0..n-1 and its first token unlabelled, so that nothing is learnt across a sample boundary.
+`CausalLMCollator` pads plain samples (attention mask, labels -100) or packed rows (position ids, no attention mask:
+transformers then builds each sample's own causal mask from the position ids; flash attention reads them as one
+flattened row)."""
 
 from __future__ import annotations
 
-import bisect
+import heapq
 from dataclasses import dataclass
+
+import numpy as np
 
 IGNORE = -100
 
 
-def pack(lengths: list[int], max_length: int) -> list[list[int]]:
-    """Sample indices grouped into rows of at most `max_length` tokens, best-fit decreasing (TRL's "bfd"): fewest
-    rows for the lengths, deterministic (ties by index). Each row's indices are in dataset order."""
-    if any(length > max_length for length in lengths):
-        raise ValueError(f"a sample of {max(lengths)} tokens does not fit a row of {max_length}")
-    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
-    rows: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (room left, row number), sorted: the fullest row that fits comes first
-    for index in order:
-        at = bisect.bisect_left(free, (lengths[index], -1))
-        if at == len(free):
-            rows.append([index])
-            room, number = max_length - lengths[index], len(rows) - 1
+def best_fit_decreasing(lengths, max_length: int, progress=None) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of sample indices, best-fit decreasing (TRL's "bfd"): fewest rows for the lengths, deterministic (ties by
+    index). Returns (order, starts): row r holds samples order[starts[r]:starts[r + 1]], in dataset order, rows
+    numbered as they were opened. O(n log n): one sort, then per sample a heap operation and a word-parallel search
+    of the rooms left (a bit per possible room: the smallest room that fits is the lowest bit set at or above the
+    sample's length). `progress(done)` is called now and then."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) and lengths.max() > max_length:
+        raise ValueError(f"a sample of {lengths.max()} tokens does not fit a row of {max_length}")
+    by_size = np.lexsort((np.arange(len(lengths)), -lengths))  # longest first, ties by index
+    row_of = np.empty(len(lengths), dtype=np.int64)
+    rows_with_room: dict[int, list[int]] = {}  # room left -> heap of the row numbers with that room
+    rooms = 0  # bit r set: some row has exactly r tokens of room
+    opened = 0
+    for done, (index, length) in enumerate(zip(by_size.tolist(), lengths[by_size].tolist())):
+        fitting = rooms >> length
+        if fitting:
+            room = length + (fitting & -fitting).bit_length() - 1
+            waiting = rows_with_room[room]
+            number = heapq.heappop(waiting)  # the earliest opened of the fullest rows that fit
+            if not waiting:
+                rooms ^= 1 << room
         else:
-            room, number = free.pop(at)
-            rows[number].append(index)
-            room -= lengths[index]
-        if room > 0:
-            bisect.insort(free, (room, number))
-    return [sorted(row) for row in rows]
+            number, room = opened, max_length
+            opened += 1
+        row_of[index] = number
+        left = room - length
+        if left:
+            waiting = rows_with_room.setdefault(left, [])
+            if not waiting:
+                rooms |= 1 << left
+            heapq.heappush(waiting, number)
+        if progress is not None and done % 65536 == 65535:
+            progress(done + 1)
+    order = np.lexsort((np.arange(len(lengths)), row_of))
+    starts = np.zeros(opened + 1, dtype=np.int64)
+    np.cumsum(np.bincount(row_of, minlength=opened), out=starts[1:])
+    if progress is not None:
+        progress(len(lengths))
+    return order, starts
+
+
+def pack(lengths: list[int], max_length: int) -> list[list[int]]:
+    """best_fit_decreasing's rows as lists of sample indices."""
+    order, starts = best_fit_decreasing(lengths, max_length)
+    return [order[begin:end].tolist() for begin, end in zip(starts[:-1].tolist(), starts[1:].tolist())]
 
 
 def packed_row(samples: list[dict]) -> dict:
     """One row of several samples: ids and labels concatenated, each sample's first label dropped (it would be
     predicted from the previous sample's last token) and its positions restarting at 0."""
-    row = {"input_ids": [], "labels": [], "position_ids": []}
-    for sample in samples:
-        row["input_ids"] += sample["input_ids"]
-        row["labels"] += [IGNORE] + list(sample["labels"][1:])
-        row["position_ids"] += list(range(len(sample["input_ids"])))
-    return row
+    ids = [np.asarray(sample["input_ids"]) for sample in samples]
+    labels = [np.asarray(sample["labels"]).copy() for sample in samples]
+    for label in labels:
+        label[:1] = IGNORE
+    return {"input_ids": np.concatenate(ids).tolist(), "labels": np.concatenate(labels).tolist(),
+            "position_ids": np.concatenate([np.arange(len(sample)) for sample in ids]).tolist()}
 
 
-def pack_dataset(dataset, max_length: int):
-    """A datasets.Dataset of `input_ids`/`labels` samples -> one of packed rows (`position_ids` added)."""
-    import datasets
+class PackedRows:
+    """A map-style dataset of packed rows over token sequences (data/tokens.py's TokenTable, memory-mapped): row i is
+    built from its samples when it is read, so packing copies nothing and no rank holds the whole set."""
 
-    lengths = [len(ids) for ids in dataset["input_ids"]]
-    groups = pack(lengths, max_length)
-    columns = dataset.select_columns(["input_ids", "labels"])
-    rows = [packed_row([columns[i] for i in group]) for group in groups]
-    return datasets.Dataset.from_list(rows)
+    def __init__(self, samples, order: np.ndarray, starts: np.ndarray):
+        self.samples, self.order, self.starts = samples, order, starts
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, index: int) -> dict:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"row {index} of {len(self)}")
+        index %= len(self)
+        members = self.order[self.starts[index]:self.starts[index + 1]].tolist()
+        return packed_row([self.samples.sample(member) for member in members])
 
 
 def padded_length(longest: int, multiple: int | None, fixed: int | None) -> int:
@@ -82,16 +119,20 @@ class CausalLMCollator:
         packed = "position_ids" in features[0]
         longest = max(len(f["input_ids"]) for f in features)
         size = max(padded_length(longest, self.pad_to_multiple_of, self.length), longest)
-        batch = {"input_ids": [], "labels": [], ("position_ids" if packed else "attention_mask"): []}
-        for f in features:
-            missing = size - len(f["input_ids"])
-            batch["input_ids"].append(list(f["input_ids"]) + [self.pad_id] * missing)
-            batch["labels"].append(list(f["labels"]) + [IGNORE] * missing)
+        batch = {"input_ids": np.full((len(features), size), self.pad_id, dtype=np.int64),
+                 "labels": np.full((len(features), size), IGNORE, dtype=np.int64)}
+        extra = "position_ids" if packed else "attention_mask"
+        batch[extra] = np.zeros((len(features), size), dtype=np.int64)
+        for row, f in enumerate(features):
+            filled = len(f["input_ids"])
+            batch["input_ids"][row, :filled] = f["input_ids"]
+            batch["labels"][row, :filled] = f["labels"]
             if packed:  # the padding is a "sample" of its own: attended by nothing real
-                batch["position_ids"].append(list(f["position_ids"]) + list(range(missing)))
+                batch[extra][row, :filled] = f["position_ids"]
+                batch[extra][row, filled:] = np.arange(size - filled)
             else:
-                batch["attention_mask"].append([1] * len(f["input_ids"]) + [0] * missing)
-        tensors = {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
+                batch[extra][row, :filled] = 1
+        tensors = {key: torch.from_numpy(value) for key, value in batch.items()}
         if packed and self.flatten:
             tensors = {key: value.reshape(1, -1) for key, value in tensors.items()}
         return tensors

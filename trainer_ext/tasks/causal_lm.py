@@ -1,11 +1,11 @@
-"""Causal-LM fine-tuning (SFT): JSON lines of chat `messages`, `prompt`/`completion` or plain `text` -> a fine-tuned
-decoder (full, or LoRA adapters through peft), with completion-only loss, packing, and evaluation loss, perplexity and
-next-token accuracy on the target tokens. With no --model_name_or_path: a tiny Llama built from a config, with a
+"""Causal-LM fine-tuning (SFT): JSON lines of chat `messages` (ShareGPT and Alpaca rows too), `prompt`/`completion` or
+plain `text`, tokenized once per machine into the data cache (or streamed) -> a fine-tuned decoder (full, or LoRA
+adapters through peft), with completion-only loss, packing, and evaluation loss, perplexity and next-token accuracy on
+the target tokens. With no --model_name_or_path: a tiny Llama built from a config, with a
 byte-level tokenizer built offline (written once to the cache folder and loaded from there like any model folder)."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -73,9 +73,19 @@ class ModelArguments(CommonModelArguments):
 @dataclass
 class DataArguments:
     train_file: str | None = field(default=None, metadata={
-        "help": "JSON lines of {\"messages\": [{\"role\", \"content\"}, ...]}, {\"prompt\", \"completion\"} or "
-                "{\"text\"}; default: data/causal_lm/train.jsonl."})
+        "help": "JSON lines of {\"messages\": [{\"role\", \"content\"}, ...]}, ShareGPT {\"conversations\"}, Alpaca "
+                "{\"instruction\", \"input\", \"output\"}, {\"prompt\", \"completion\"} or {\"text\"}; default: "
+                "data/causal_lm/train.jsonl."})
     validation_file: str | None = field(default=None)
+    dataset_text_field: str | None = field(default=None, metadata={
+        "help": "The column of text rows (TRL's name); default: text."})
+    dataset_columns: str | None = field(default=None, metadata={
+        "help": "Other column names, as FIELD=COLUMN pairs: e.g. prompt=question,completion=answer or "
+                "messages=dialog (fields: messages, conversations, instruction, input, output, system, history, "
+                "prompt, completion, text)."})
+    streaming: bool = field(default=False, metadata={
+        "help": "Read, tokenize and pack the training file on the fly, in its order (needs --max_steps; nothing is "
+                "cached); default: tokenized once per machine into the cache and memory-mapped."})
     max_seq_length: int = field(default=512, metadata={"help": "Tokens per sample (longer ones are cut, counted and "
                                                                "said once) and per packed row."})
     packing: bool = field(default=False, metadata={"help": "Pack several training samples into each row of "
@@ -90,7 +100,8 @@ class DataArguments:
                 "is padded to --max_seq_length unless this is given."})
     max_train_samples: int | None = field(default=None)
     max_eval_samples: int | None = field(default=None)
-    preprocessing_num_workers: int | None = field(default=None)
+    preprocessing_num_workers: int | None = field(default=None, metadata={
+        "help": "Processes that tokenize (each a batch of rows at a time); default: this one."})
     overwrite_cache: bool = field(default=False, metadata={"help": "Tokenize again instead of using the cache."})
     evaluate_before_training: bool = field(default=False, metadata={"help": "Report validation metrics first."})
 
@@ -111,6 +122,15 @@ class DataArguments:
                    if path and not Path(path).is_file()]
         if missing:
             raise ArgumentsError(f"no such data file: {', '.join(missing)}")
+        if self.preprocessing_num_workers is not None and self.preprocessing_num_workers < 1:
+            raise ArgumentsError(f"--preprocessing_num_workers {self.preprocessing_num_workers}: give a number of "
+                                 "processes (1 or more), or leave it out to tokenize in this one")
+        self.columns()
+
+    def columns(self):
+        from .chat_data import Columns
+
+        return Columns.from_flags(self.dataset_text_field, self.dataset_columns)
 
     def given(self) -> dict:
         return with_channels({"train": self.train_file, "validation": self.validation_file}, (".jsonl", ".json"))
@@ -176,13 +196,21 @@ def default_model() -> str:
     import shutil
     import tempfile
 
+    from safetensors.torch import save_file
+
     folder = cache_folder() / TINY_LLAMA
     if (folder / "config.json").is_file():
         return str(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{TINY_LLAMA}-", dir=folder.parent))
     model, tokenizer = tiny_llama()
-    model.save_pretrained(staging)
+    # Written here, not by save_pretrained, which in a process group writes on rank 0 alone (transformers 5): a
+    # rank 1 finishing first left a folder without weights (seen with a fresh cache on 2 ranks).
+    save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()},
+              str(staging / "model.safetensors"), metadata={"format": "pt"})
+    model.config.architectures, model.config.dtype = [type(model).__name__], model.dtype  # as save_pretrained writes
+    model.config.save_pretrained(staging)
+    model.generation_config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     try:
         os.rename(staging, folder)
@@ -277,7 +305,8 @@ def skeleton_of(config):
 
 
 # -- data ------------------------------------------------------------------------------------------------------------
-def chat_template(tokenizer, data_args: DataArguments, kinds: set[str]) -> str | None:
+def chat_template(tokenizer, data_args: DataArguments, chat: bool) -> str | None:
+    """The template chat rows render with (None when no file has any)."""
     from .chat_data import DEFAULT_CHAT_TEMPLATE
     from .data_checks import say_once
 
@@ -290,7 +319,7 @@ def chat_template(tokenizer, data_args: DataArguments, kinds: set[str]) -> str |
         except Exception as err:  # noqa: BLE001 - jinja2's TemplateSyntaxError
             raise ArgumentsError(f"--chat_template {data_args.chat_template}: not a Jinja template ({err})") from None
         return template
-    if "messages" not in kinds:
+    if not chat:
         return None
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.chat_template
@@ -312,45 +341,55 @@ def check_tokenizer(tokenizer, flag: str) -> None:
                  "carries no label and no attention)")
 
 
-def tokenize(rows: dict, tokenizer, template, data_args: DataArguments, training_args, limits: dict):
-    """Each split's rows -> input_ids/labels (rank 0 first, the others read its cache); over-long samples cut and
-    counted, samples that lost every target token to the cut left out, both said once; a row no target survives in
-    before any cut is the user's to fix (named)."""
-    import datasets
+def check_formats(sources: dict, data_args: DataArguments, training_args) -> None:
+    """What the files' formats (their first rows) rule out, before the model loads."""
+    texts = [source.path for source in sources.values() if source.format == "text"]
+    if data_args.completion_only_loss and texts:
+        raise ArgumentsError(f"--completion_only_loss true: {', '.join(texts)} holds text rows, which have no "
+                             "completion to train alone (every token trains); drop the flag, or give prompt/"
+                             "completion or messages rows")
+    if data_args.streaming and training_args.do_train and training_args.max_steps <= 0:
+        raise ArgumentsError("--streaming reads the training file as a stream with no length, so an epoch has no "
+                             "end: give --max_steps (the optimizer steps to train)")
 
-    from .chat_data import tokenize_rows
-    from .data_checks import DataError, row, say_once
 
-    tokenized = {}
-    with training_args.main_process_first(desc="tokenize"):
-        for split, read in rows.items():
-            kept = read.rows[: limits[split]] if limits[split] else read.rows
-            completion_only = (data_args.completion_only_loss if data_args.completion_only_loss is not None
-                               else read.kind != "text")
-            raw = datasets.Dataset.from_dict({"row": [json.dumps(r) for r in kept]})
-            done = raw.map(tokenize_rows, batched=True, remove_columns=["row"], desc=f"tokenize {split}",
-                           num_proc=data_args.preprocessing_num_workers,
-                           load_from_cache_file=not data_args.overwrite_cache,
-                           fn_kwargs={"tokenizer": tokenizer, "template": template, "completion_only": completion_only,
-                                      "max_length": data_args.max_seq_length})
-            problems = [i for i, problem in enumerate(done["problem"]) if problem]
-            if problems:
-                line = read.lines[problems[0]]
-                more = f" ({len(problems) - 1} more such rows)" if len(problems) > 1 else ""
-                raise DataError(f"{row(read.path, line)}: {done['problem'][problems[0]]}{more}")
-            truncated, lost = sum(done["truncated"]), sum(done["lost"])
-            if truncated:
-                say_once(f"{split}: {truncated} of {len(done)} samples are longer than --max_seq_length "
-                         f"{data_args.max_seq_length} tokens and were cut to it"
-                         + (f"; {lost} of them lost every target token and were left out" if lost else "")
-                         + " (raise --max_seq_length to keep them whole)")
-            if lost:
-                done = done.select([i for i, gone in enumerate(done["lost"]) if not gone])
-            if len(done) == 0:
-                raise DataError(f"{read.path}: no sample keeps a target token within --max_seq_length "
-                                f"{data_args.max_seq_length}: raise it")
-            tokenized[split] = done.remove_columns(["truncated", "lost", "problem"])
-    return tokenized
+def tokenized(sources: dict, tokenizer, template, data_args: DataArguments, training_args) -> dict:
+    """Each split's dataset (chat_datasets.py): from the tokenized data cache, built once per machine, or for
+    --streaming's training file a stream; over-long samples cut and counted, samples that lost every target token to
+    the cut left out, both said once."""
+    from .chat_data import Encoder
+    from .chat_datasets import ChatStream, Split, cached_split
+    from .data_checks import DataError, say_once
+
+    limits = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
+    splits = {}
+    for split, source in sources.items():
+        completion_only = (data_args.completion_only_loss if data_args.completion_only_loss is not None
+                           else source.format != "text")
+        encoder = Encoder(tokenizer, template, completion_only, data_args.max_seq_length, source.path)
+        packing = data_args.packing and split == "train"
+        if split == "train" and data_args.streaming:
+            splits[split] = Split(ChatStream(source, encoder, packing, limits[split]), None, {})
+            say_once(f"--streaming: {source.path} is read, tokenized{' and packed' if packing else ''} as training "
+                     "goes, in its order, by every rank")
+            continue
+        done = cached_split(split, source, encoder, cache_folder() / "data", training_args, data_args, limits[split],
+                            packing)
+        counts = done.manifest
+        if counts["truncated"]:
+            lost = counts["lost"]
+            say_once(f"{split}: {counts['truncated']} of {counts['rows']} samples are longer than --max_seq_length "
+                     f"{data_args.max_seq_length} tokens and were cut to it"
+                     + (f"; {lost} of them lost every target token and were left out" if lost else "")
+                     + " (raise --max_seq_length to keep them whole)")
+        if done.samples == 0:
+            raise DataError(f"{source.path}: no sample keeps a target token within --max_seq_length "
+                            f"{data_args.max_seq_length}: raise it")
+        if packing:
+            say_once(f"packing: {done.samples} training samples in {len(done.dataset)} rows of up to "
+                     f"{data_args.max_seq_length} tokens")
+        splits[split] = done
+    return splits
 
 
 # -- metrics ---------------------------------------------------------------------------------------------------------
@@ -376,10 +415,10 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     weights)."""
     from transformers import AutoModelForCausalLM, set_seed
 
-    from ..data.packing import CausalLMCollator, pack_dataset
+    from ..data.packing import CausalLMCollator
     from ..environment.prepare import prepare_process, sharded_loading
     from ..trainer import ExtTrainer
-    from .chat_data import read_rows
+    from .chat_data import ChatFile
     from .common import (check_best_metric, check_output_dir, check_sequence_length, check_something_to_do,
                          load_tokenizer, reading, train_and_save)
     from .data_checks import say_once
@@ -389,7 +428,9 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     check_best_metric(training_args, EVAL_METRICS)
     prepare_process(training_args)
     files = data_args.files(training_args)
-    rows = {split: read_rows(path, split) for split, path in files.items()}  # every line checked, seconds
+    columns = data_args.columns()
+    sources = {split: ChatFile(path, columns) for split, path in files.items()}  # each file's format, its first row
+    check_formats(sources, data_args, training_args)
     model_path = model_args.model_name_or_path or default_model()
     config = load_model_config(model_path, model_args)
     skeleton = skeleton_of(config)
@@ -399,16 +440,9 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     tokenizer = load_tokenizer(model_path, model_args)
     check_tokenizer(tokenizer, "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path")
     check_sequence_length("--max_seq_length", data_args.max_seq_length, config, tokenizer)
-    kinds = {"messages" if any("messages" in r for r in read.rows) else read.kind for read in rows.values()}
-    template = chat_template(tokenizer, data_args, kinds)
-    limits = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
-    tokenized = tokenize(rows, tokenizer, template, data_args, training_args, limits)
-    train = tokenized.get("train")
-    if train is not None and data_args.packing:
-        samples = len(train)
-        train = pack_dataset(train, data_args.max_seq_length)
-        say_once(f"packing: {samples} training samples in {len(train)} rows of up to {data_args.max_seq_length} "
-                 "tokens")
+    template = chat_template(tokenizer, data_args, any(source.chat for source in sources.values()))
+    splits = tokenized(sources, tokenizer, template, data_args, training_args)  # every row checked and tokenized
+    train = splits["train"].dataset if "train" in splits else None
 
     set_seed(training_args.seed)
     dtype = model_args.model_kwargs.get("dtype", model_args.model_kwargs.get("torch_dtype"))
@@ -437,7 +471,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     collator = CausalLMCollator(tokenizer.pad_token_id, data_args.pad_to_multiple_of,
                                 data_args.max_seq_length if data_args.packing else compile_length, flatten)
     Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
-    trainer = ExtTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=tokenized.get("validation"),
+    evaluation = splits["validation"].dataset if "validation" in splits else None
+    trainer = ExtTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
                          processing_class=tokenizer, data_collator=collator, compute_metrics=token_accuracy,
                          preprocess_logits_for_metrics=predicted_tokens)
     results = {}
@@ -454,7 +489,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     if data_args.evaluate_before_training:
         evaluate("eval_before")
     if training_args.do_train:
-        results.update(train_and_save(trainer, training_args, len(tokenized["train"])))
+        results.update(train_and_save(trainer, training_args, splits["train"].samples))
     if training_args.do_eval:
         evaluate("eval")
     return results

@@ -217,8 +217,9 @@ def first(dataset, limit):
     return dataset if limit is None else dataset.select(range(min(limit, len(dataset))))
 
 
-def train_and_save(trainer, training_args, train_samples: int) -> dict:
-    """Train (resuming as ExtTrainer does), save the model and state, report and return the training metrics. A re-run
+def train_and_save(trainer, training_args, train_samples: int | None) -> dict:
+    """Train (resuming as ExtTrainer does), save the model and state, report and return the training metrics
+    (train_samples: the training set's size, None for a stream). A re-run
     of a finished command trains nothing and leaves the model, state and metrics files of the finished run alone."""
     from ..checkpoints.output_lock import out_of_space
 
@@ -228,7 +229,7 @@ def train_and_save(trainer, training_args, train_samples: int) -> dict:
             return dict(outcome.metrics)
         if trainer.final_model_dir is None:  # a SageMaker job's train() saved it already
             trainer.save_model()
-        metrics = {**outcome.metrics, "train_samples": train_samples}
+        metrics = {**outcome.metrics, **({"train_samples": train_samples} if train_samples is not None else {})}
         trainer.log_metrics("train", metrics)
         trainer.save_metrics("train", metrics)
         trainer.save_state()

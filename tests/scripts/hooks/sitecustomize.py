@@ -1,8 +1,10 @@
-"""On PYTHONPATH with TRAINER_EXT_TEST_SIGNAL="STEP:RANK:SIGNAL" (e.g. "3:1:SIGTERM"): every transformers Trainer built in
+"""Test hooks for launched processes (this folder on PYTHONPATH), each on when its variable is set; transformers is
+patched only when something imports the module a hook patches: launchers and other processes are untouched.
+
+TRAINER_EXT_TEST_SIGNAL="STEP:RANK:SIGNAL" (e.g. "3:1:SIGTERM"): every transformers Trainer built in
 this process gets a callback that sends SIGNAL to its own process when the rank RANK ends optimizer step STEP. The
 preemption tests' signal then lands at the same step of every run, however fast the machine, instead of racing a log
-line. The process handles it as one a scheduler sent (the same handler, the same checkpoint). transformers is patched
-only when something imports it: launchers and other processes are untouched.
+line. The process handles it as one a scheduler sent (the same handler, the same checkpoint).
 
 "STEP:RANK:SIGNAL:TARGET[:RESTART]" chooses whom the signal reaches instead (RANK "*": any rank; RESTART: only in the
 worker a torchrun agent started after that many restarts, TORCHELASTIC_RESTART_COUNT); several comma-separated specs
@@ -15,13 +17,18 @@ each act on their own:
 - "hold": no signal sent: write `<output_dir>.held-STEP` and wait for SIGNAL to reach this worker (the agent stopping
   it because another node joins), so the elastic tests start the joining node at a known step.
 The callback runs before ExtTrainer's own (it is added while transformers' Trainer is built), so every waiting
-target's preemption checkpoint is STEP's on every run."""
+target's preemption checkpoint is STEP's on every run.
+
+TRAINER_EXT_TEST_COUNT_TOKENIZED=FOLDER: every text a transformers tokenizer tokenizes in this process is counted in
+FOLDER/rank<RANK>.<pid> (a line per call: how many texts), so a test can tell which rank of which run tokenized what,
+whatever code called the tokenizer."""
 import importlib.abc
 import importlib.util
 import os
 import sys
 
 SPEC = os.environ.get("TRAINER_EXT_TEST_SIGNAL")
+COUNT_FOLDER = os.environ.get("TRAINER_EXT_TEST_COUNT_TOKENIZED")
 WAITING_S = 120  # the most a waiting target waits for its signal
 
 
@@ -88,9 +95,26 @@ def wait_for(signum, act):
         time.sleep(0.01)
 
 
-class PatchTrainerOnImport(importlib.abc.MetaPathFinder):
+def count_tokenized(base):
+    tokenize = base.__call__
+
+    def __call__(self, text=None, *args, **kwargs):
+        texts = 1 if text is None or isinstance(text, str) else len(text)
+        with open(os.path.join(COUNT_FOLDER, f"rank{os.environ.get('RANK', '0')}.{os.getpid()}"), "a") as record:
+            record.write(f"{texts}\n")
+        return tokenize(self, text, *args, **kwargs)
+
+    base.__call__ = __call__
+
+
+class PatchOnImport(importlib.abc.MetaPathFinder):
+    """`install(module.<attribute>)` once the module `name` has run."""
+
+    def __init__(self, name, attribute, install):
+        self.name, self.attribute, self.install = name, attribute, install
+
     def find_spec(self, name, path=None, target=None):
-        if name != "transformers.trainer":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -98,11 +122,14 @@ class PatchTrainerOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run_module(module)
-            install(module.Trainer)
+            self.install(getattr(module, self.attribute))
 
         spec.loader.exec_module = exec_module
         return spec
 
 
 if SPEC:
-    sys.meta_path.insert(0, PatchTrainerOnImport())
+    sys.meta_path.insert(0, PatchOnImport("transformers.trainer", "Trainer", install))
+if COUNT_FOLDER:
+    sys.meta_path.insert(0, PatchOnImport("transformers.tokenization_utils_base", "PreTrainedTokenizerBase",
+                                          count_tokenized))
