@@ -3,7 +3,8 @@ each sample's own positions and unlabelled first token, and the collator's paddi
 
 import pytest
 
-from trainer_ext.data.packing import CausalLMCollator, PackedRows, best_fit_decreasing, pack, padded_length
+from trainer_ext.data.packing import (CausalLMCollator, PackedRows, best_fit_decreasing, pack, pack_dataset,
+                                      padded_length)
 from trainer_ext.data.tokens import TokenTable, TokenWriter
 
 
@@ -50,6 +51,21 @@ def test_packed_rows_pad_with_positions_of_their_own_and_flatten_into_one_row():
     assert CausalLMCollator(pad_id=1, length=2)(rows)["input_ids"].shape == (2, 3)  # never cut below the longest
 
 
+def test_pack_dataset_packs_a_datasets_dataset_into_rows():
+    """Packing in a user's own script (docs/llm.md): best-fit rows of its samples, other columns dropped."""
+    import datasets
+
+    samples = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]],
+                                          "labels": [[1, 2, 3], [-100, 5], [6, 7, 8, 9], [10]],
+                                          "text": ["a", "b", "c", "d"]})
+    assert pack_dataset(samples, 5).to_list() == PACKED
+
+
+PACKED = [  # the longest sample opened the first row
+    {"input_ids": [6, 7, 8, 9, 10], "labels": [-100, 7, 8, 9, -100], "position_ids": [0, 1, 2, 3, 0]},
+    {"input_ids": [1, 2, 3, 4, 5], "labels": [-100, 2, 3, -100, 5], "position_ids": [0, 1, 2, 0, 1]}]
+
+
 def test_packed_rows_of_a_token_table_are_best_fit_rows_built_when_read(tmp_path):
     """The recipe's packing of a tokenized set (a memory-mapped table): best-fit rows of its samples, each sample's
     first label dropped and its positions restarting at 0."""
@@ -62,9 +78,7 @@ def test_packed_rows_of_a_token_table_are_best_fit_rows_built_when_read(tmp_path
     writer.close()
     table = TokenTable(tmp_path / "tokens.arrow")
     rows = PackedRows(table, *best_fit_decreasing(table.lengths(), 5))
-    assert [rows[i] for i in range(len(rows))] == [  # the longest sample opened the first row
-        {"input_ids": [6, 7, 8, 9, 10], "labels": [-100, 7, 8, 9, -100], "position_ids": [0, 1, 2, 3, 0]},
-        {"input_ids": [1, 2, 3, 4, 5], "labels": [-100, 2, 3, -100, 5], "position_ids": [0, 1, 2, 0, 1]}]
+    assert [rows[i] for i in range(len(rows))] == PACKED
     assert rows[-1] == rows[1]
     with pytest.raises(IndexError):
         rows[2]

@@ -93,6 +93,18 @@ class PackedRows:
         return packed_row([self.samples.sample(member) for member in members])
 
 
+def pack_dataset(dataset, max_length: int):
+    """For a user's own script: a datasets.Dataset of `input_ids`/`labels` samples -> a datasets.Dataset of packed rows
+    (best_fit_decreasing's, `position_ids` added, other columns dropped). The recipe packs its memory-mapped cache with
+    PackedRows instead; this one holds the rows in memory as the dataset it returns."""
+    import datasets
+
+    columns = dataset.select_columns(["input_ids", "labels"])
+    order, starts = best_fit_decreasing(np.fromiter(map(len, columns["input_ids"]), np.int64, len(columns)), max_length)
+    return datasets.Dataset.from_list([packed_row([columns[i] for i in order[begin:end].tolist()])
+                                       for begin, end in zip(starts[:-1].tolist(), starts[1:].tolist())])
+
+
 def padded_length(longest: int, multiple: int | None, fixed: int | None) -> int:
     if fixed:
         return fixed
