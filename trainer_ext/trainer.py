@@ -6,6 +6,7 @@ integrations/internals.py."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import signal
@@ -47,6 +48,8 @@ logger = logging.getLogger(__name__)
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 # Where the Hub client's errors come from (huggingface_hub's own, its HTTP library's: httpx, or httpx2, requests).
 HUB_ERROR_MODULES = ("huggingface_hub", "httpx", "httpx2", "requests", "urllib3")
+# Trainer's parameters after model and args, in order: the names of the positional arguments ExtTrainer passes on.
+TRAINER_PARAMETERS = tuple(inspect.signature(Trainer.__init__).parameters)[3:]
 
 
 class ExtTrainer(PrivateTrainerHooks, Trainer):
@@ -67,13 +70,19 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                  class_weights=None, optimizer_settings: OptimizerSettings | None = None,
                  scheduler_settings: SchedulerSettings | None = None, **kwargs):
         _check_trl_arguments(type(self), args)
+        # By name: a trainer between this one and transformers' may take other arguments first (TRL's DPOTrainer takes
+        # ref_model second, and took these arguments for its reference model). Trainer's order names the positionals.
+        named = dict(zip(TRAINER_PARAMETERS, positional))
+        if twice := sorted(set(named) & set(kwargs)):
+            raise TypeError(f"{type(self).__name__}() got multiple values for argument {twice[0]!r}")
+        kwargs.update(named)
         # transformers refuses a stream without max_steps in its __init__, with a traceback: said first
-        check_training_data(kwargs.get("train_dataset", positional[1] if len(positional) > 1 else None), args)
+        check_training_data(kwargs.get("train_dataset"), args)
         if problems := hub_problems(args):  # stock arguments were not checked at parsing
             raise UserError(problems[0])
         prepare_process(args)  # the process set-up the arguments leave to training (once: sharded_loading may have)
         self.backend = select_backend(args)  # checks that it can run here
-        super().__init__(model, args, *positional, **kwargs)
+        super().__init__(model=model, args=args, **kwargs)
         # The user's own optimizer: --optim does not say which optimizer a checkpoint's state belongs to.
         self.user_optimizer = self.optimizer is not None or kwargs.get("optimizer_cls_and_kwargs") is not None
         check_process_group(self.args)
@@ -495,7 +504,7 @@ def _check_trl_arguments(trainer_class, args) -> None:
     if trl_trainer is None or args is None or any(cls.__module__.split(".")[0] == "trl" for cls in type(args).__mro__):
         return
     config = trl_trainer.__name__.replace("Trainer", "Config")
-    shipped = " (trainer_ext.trl.ExtSFTConfig is that class)" if config == "SFTConfig" else ""
+    shipped = f" (trainer_ext.trl.Ext{config} is that class)" if config in ("SFTConfig", "DPOConfig") else ""
     raise UserError(f"{trainer_class.__name__} combines ExtTrainer with TRL's {trl_trainer.__name__}, which reads its "
                     f"own arguments class: pass a class deriving from both ExtTrainingArguments and trl.{config}"
                     f"{shipped}, not {type(args).__name__}")

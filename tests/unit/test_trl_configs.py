@@ -24,11 +24,10 @@ def trl_configs():
 def combined(config):
     from trainer_ext import ExtTrainingArguments
 
-    if config.__name__ == "SFTConfig":
-        from trainer_ext.trl import ExtSFTConfig
+    import trainer_ext.trl
 
-        return ExtSFTConfig
-    return dataclasses.dataclass(type(f"Ext{config.__name__}", (ExtTrainingArguments, config), {}))
+    shipped = getattr(trainer_ext.trl, f"Ext{config.__name__}", None)  # ExtSFTConfig, ExtDPOConfig
+    return shipped or dataclasses.dataclass(type(f"Ext{config.__name__}", (ExtTrainingArguments, config), {}))
 
 
 def default(field):

@@ -129,6 +129,8 @@ class ExtTrainingArguments(TrainingArguments):
     def __new__(cls, *args, **kwargs):
         # __new__, not __init__: it sees the constructor's arguments in every dataclass subclass too (each generates
         # its own __init__), before __post_init__ resolves the DeepSpeed file against the flags.
+        if unreached := unreached_fields(cls):
+            raise ArgumentsError(unreached)
         self = super().__new__(cls)
         write(self, {"flags_given": fields_given(cls, args, kwargs)})  # deepspeed_config.flag_given reads it
         return self
@@ -207,6 +209,22 @@ class ExtTrainingArguments(TrainingArguments):
         if isinstance(resume, str) and resume_request(resume) == PATH and not os.path.isdir(resume):
             raise CheckpointNotFoundError(f"--resume_from_checkpoint {resume}: no such folder (give a checkpoint-N "
                                           "folder, or auto for the newest complete one in --output_dir)")
+
+
+def unreached_fields(cls) -> str | None:
+    """A subclass combining ExtTrainingArguments with another arguments dataclass (TRL's DPOConfig) without being a
+    dataclass itself: its constructor is ExtTrainingArguments', which never sets the other class's fields, and their
+    first use failed far from the cause (DPOConfig: `AttributeError: ... no attribute 'loss_type'`)."""
+    ours = cls.__dataclass_fields__
+    missing = {base.__name__: [name for name in base.__dataclass_fields__ if name not in ours]
+               for base in cls.__mro__[1:] if "__dataclass_fields__" in base.__dict__}
+    missing = {name: fields for name, fields in missing.items() if fields}
+    if not missing:
+        return None
+    owner, fields = next(iter(missing.items()))
+    shown = ", ".join(fields[:3]) + (", ..." if len(fields) > 3 else "")
+    return (f"{cls.__name__} combines ExtTrainingArguments with {owner} but is not a dataclass itself, so {owner}'s "
+            f"fields ({shown}) are never set: put @dataclass (from dataclasses) above `class {cls.__name__}`")
 
 
 class ExtArgumentParser(CommandParser, HfArgumentParser):
