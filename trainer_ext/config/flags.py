@@ -89,6 +89,12 @@ class ExtTrainingArguments(TrainingArguments):
                                          "continue, the optimizer state starts anew, the schedule continues at its "
                                          "step. Refused without it."}
     )
+    chunked_loss: bool = field(
+        default=True, metadata={"help": "Causal LMs: take the cross-entropy through lm_head a chunk of tokens at a "
+                                        "time, never building the whole logits (12 bytes a token and vocabulary "
+                                        "entry); false for a model whose forward must build them (soft-capped "
+                                        "logits: refused at the first step with this flag named)."}
+    )
     checkpoint_dir: str | None = field(
         default=None, metadata={"help": "Write checkpoints here and resume from here (default: output_dir; in a "
                                         "SageMaker job, the folder synced with checkpoint_s3_uri)."}
