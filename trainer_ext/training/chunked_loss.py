@@ -12,12 +12,9 @@ found at the first step and named (those must build their logits: --chunked_loss
 
 from __future__ import annotations
 
-import torch
-
 from ..errors import UserError
-from .losses import IGNORE_INDEX, base_model
 
-CHUNK_BYTES = 128 * 2 ** 20  # one chunk's fp32 logits; its backward holds about four such tensors
+CHUNK_BYTES = 128 * 2 ** 20  # one chunk's fp32 logits; its backward holds about four such tensors (the planner's term)
 CHUNKED_LOSS_OFF = "pass --chunked_loss false (the loss is then taken over the whole logits)"
 
 
@@ -28,6 +25,10 @@ class ChunkedLossError(UserError):
 def output_head(module):
     """The module the model's forward calls for its logits (lm_head), also inside a PEFT wrapper; None if it has
     none."""
+    import torch
+
+    from .losses import base_model
+
     model = base_model(module)
     getter = getattr(model, "get_output_embeddings", None)
     head = getter() if callable(getter) else None
@@ -45,7 +46,7 @@ class ChunkedHead:
     collator's shift_labels as they are) as a (1, 1, 1) tensor, computed `chunk_size` target tokens at a time.
     `label_smoothing` as torch's cross_entropy reads it."""
 
-    def __init__(self, head, targets: torch.Tensor, shifted: bool, chunk_size: int, label_smoothing: float = 0.0):
+    def __init__(self, head, targets, shifted: bool, chunk_size: int, label_smoothing: float = 0.0):
         self.head, self.targets, self.shifted, self.label_smoothing = head, targets, shifted, label_smoothing
         self.chunk_size = chunk_size
         self.calls, self.returned = 0, None
@@ -64,6 +65,10 @@ class ChunkedHead:
         return False
 
     def forward(self, hidden, *args, **kwargs):
+        from torch.utils.checkpoint import checkpoint
+
+        from .losses import IGNORE_INDEX
+
         self.calls += 1
         if args or kwargs or hidden.dim() != 3:
             raise ChunkedLossError(f"--chunked_loss: {type(self.head).__name__} was called with other inputs than one "
@@ -80,19 +85,23 @@ class ChunkedHead:
         size = self.chunk_size
         total = hidden.reshape(-1)[0].float() * 0.0  # connected to the model: no targets backpropagate zeros
         for start in range(0, labels.numel(), size):
-            total = total + torch.utils.checkpoint.checkpoint(
+            total = total + checkpoint(
                 self._chunk, selected[start:start + size], labels[start:start + size], use_reentrant=False)
         self.returned = total.float().view(1, 1, 1)
         return self.returned
 
     def _chunk(self, hidden, labels):
+        import torch
+
         logits = type(self.head).forward(self.head, hidden)  # the head's own forward (a peft wrapper's too)
         return torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum",
                                                  label_smoothing=self.label_smoothing)
 
-    def loss(self, outputs, model_name: str) -> torch.Tensor:
+    def loss(self, outputs, model_name: str):
         """The summed loss from the model's outputs (the tensor the model returned as its logits: under ZeRO-3 the
         engine's hooks wrap it, and backward must pass through them)."""
+        import torch
+
         head = type(self.head).__name__
         if self.calls != 1:
             what = "does not call" if self.calls == 0 else f"calls {self.calls} times"
