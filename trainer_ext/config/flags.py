@@ -217,6 +217,17 @@ class ExtTrainingArguments(TrainingArguments):
                                           "folder, or auto for the newest complete one in --output_dir)")
 
 
+def word_or_bool(text: str):
+    """A `str | bool` flag's value: true/false (and argparse's other spellings of them) as booleans, other words as
+    they are (the field's own check reads them)."""
+    from transformers.hf_argparser import string_to_bool
+
+    try:
+        return string_to_bool(text)
+    except Exception:  # noqa: BLE001 - argparse's ArgumentTypeError: not a boolean word
+        return text
+
+
 def unreached_fields(cls) -> str | None:
     """A subclass combining ExtTrainingArguments with another arguments dataclass (TRL's DPOConfig) without being a
     dataclass itself: its constructor is ExtTrainingArguments', which never sets the other class's fields, and their
@@ -239,6 +250,17 @@ class ExtArgumentParser(CommandParser, HfArgumentParser):
     option. Abbreviated flags are refused: argparse would silently read a typo like --learning_rat as
     --learning_rate. It records the flags the command line names (`flags_given`), so a flag typed at its default still
     beats a DeepSpeed file."""
+
+    def __init__(self, dataclass_types, **kwargs):
+        super().__init__(dataclass_types, **kwargs)
+        # HfArgumentParser reads a `str | bool` field as a bool: --include_num_input_tokens_seen non_padding (or all)
+        # was refused at parsing ("Truthy value expected"). Such a field takes its words and true/false alike.
+        words_or_bool = {field.name for cls in (dataclass_types if isinstance(dataclass_types, (list, tuple))
+                                                else [dataclass_types])
+                         for field in dataclasses.fields(cls) if typing.get_type_hints(cls).get(field.name) == str | bool}
+        for action in self._actions:
+            if action.dest in words_or_bool:
+                action.type = word_or_bool
 
     def check_unknown(self, argv) -> None:
         messages = self.unrecognized(argv)
