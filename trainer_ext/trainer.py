@@ -189,6 +189,13 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         decided = torch.tensor([float(answer)], device=self.args.device)
         return bool(self.accelerator.reduce(decided, reduction="sum").item() > 0)
 
+    def _largest_on_every_rank(self, count: int) -> int:
+        """The largest `count` of any rank (every rank calls it together)."""
+        if self.args.world_size == 1:
+            return count
+        counts = self.accelerator.gather(torch.tensor([count], device=self.args.device))
+        return int(counts.max().item())
+
     def _say_where_token_losses_are_normalised(self) -> None:
         """Once, when a loss normalised by the targets is computed on several ranks that each count only their own."""
         if self._said_token_normalisation or self.args.average_tokens_across_devices or self.args.world_size == 1:
@@ -223,7 +230,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         targets = shifted if torch.is_tensor(shifted) else inputs["labels"][:, 1:]
         config = base_model(module).config.get_text_config()
         head = ChunkedHead(output_head(module), targets, not torch.is_tensor(shifted), chunk_tokens(config.vocab_size),
-                           self.args.label_smoothing_factor)
+                           self.args.label_smoothing_factor, self._largest_on_every_rank)
         with head:
             outputs = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")})
         total = head.loss(outputs, type(base_model(module)).__name__)

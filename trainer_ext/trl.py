@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import MissingLibraryError
+from .errors import MissingLibraryError, UserError
 
 try:
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
@@ -43,4 +43,26 @@ class ExtDPOTrainer(ExtTrainer, DPOTrainer):
     `ExtDPOTrainer(model, ref_model=None, args=ExtDPOConfig(...), train_dataset=..., processing_class=...)`."""
 
     def __init__(self, model=None, ref_model=None, args=None, *positional, **kwargs):
+        from .trainer import TRAINER_PARAMETERS
+
+        check_precomputed_reference(args, {**dict(zip(TRAINER_PARAMETERS, positional)), **kwargs})
         super().__init__(model, args, *positional, ref_model=ref_model, **kwargs)
+
+
+def check_precomputed_reference(args, given: dict) -> None:
+    """--precompute_ref_log_probs on N ranks: TRL writes the reference's log-probs next to the dataset's cache files
+    on the main process and the other ranks read them there; an in-memory dataset (Dataset.from_list/from_dict) has
+    its cache in a temporary folder of each process, so the other ranks failed (FileNotFoundError, measured)."""
+    if not getattr(args, "precompute_ref_log_probs", False) or getattr(args, "world_size", 1) < 2:
+        return
+    import datasets
+
+    for name in ("train_dataset", "eval_dataset"):
+        value = given.get(name)
+        for dataset in (value.values() if isinstance(value, dict) else [value]):
+            if isinstance(dataset, datasets.Dataset) and not dataset.cache_files:
+                raise UserError(f"--precompute_ref_log_probs on {args.world_size} ranks with an in-memory {name} "
+                                "(Dataset.from_list / from_dict): TRL stores the reference log-probs beside the "
+                                "dataset's files, which only the main process has then; load it from files "
+                                "(datasets.load_dataset('json', data_files=...)) or save and load it "
+                                "(save_to_disk / load_from_disk)")

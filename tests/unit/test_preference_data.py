@@ -76,3 +76,27 @@ def test_the_shipped_pairs_are_what_the_seeded_script_writes(tmp_path, monkeypat
     for name in ("train.jsonl", "validation.jsonl"):
         assert (tmp_path / name).read_bytes() == (REPO / "data" / "preference" / name).read_bytes()
     assert len(read_pairs(str(REPO / "data" / "preference" / "validation.jsonl"))) == 200
+
+
+def test_precomputed_reference_log_probs_need_datasets_on_files_on_several_ranks(tmp_path):
+    """TRL writes the precomputed reference log-probs beside the dataset's files on the main process: with an
+    in-memory Dataset each rank's cache is a temporary folder of its own, and the other ranks failed
+    (FileNotFoundError, measured on 2 ranks). Refused before any model work, naming the fix; one process, or a
+    dataset read from files, goes on."""
+    import types
+
+    import datasets
+
+    from trainer_ext.errors import UserError
+    from trainer_ext.trl import check_precomputed_reference
+
+    in_memory = datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    write_lines(tmp_path / "pairs.jsonl", [PAIR])
+    on_files = datasets.load_dataset("json", data_files=str(tmp_path / "pairs.jsonl"), split="train",
+                                     cache_dir=str(tmp_path / "cache"))
+    args = types.SimpleNamespace(precompute_ref_log_probs=True, world_size=2)
+    with pytest.raises(UserError, match="--precompute_ref_log_probs on 2 ranks with an in-memory train_dataset"):
+        check_precomputed_reference(args, {"train_dataset": in_memory})
+    check_precomputed_reference(args, {"train_dataset": on_files, "eval_dataset": {"held_out": on_files}})
+    check_precomputed_reference(types.SimpleNamespace(precompute_ref_log_probs=True, world_size=1),
+                                {"train_dataset": in_memory})

@@ -59,7 +59,13 @@ def read_pairs(path: str) -> list[dict]:
               [(number, json.loads(line)) for number, line in enumerate(text.splitlines()) if line.strip()])
     if not values:
         raise DataError(f"{path} has no rows: give a file with at least one preference pair")
-    return [checked_pair(path, number, value) for number, value in values]
+    pairs = [checked_pair(path, number, value) for number, value in values]
+    kinds = [isinstance(pair["prompt"], list) for pair in pairs]
+    if len(set(kinds)) > 1:
+        other = next(number for (number, _), kind in zip(values, kinds) if kind != kinds[0])
+        raise DataError(f"{row(path, other)}: a {'conversational' if kinds[0] else 'text'} file's row in the other "
+                        "format (lists of turns / text): give each format in its own file")
+    return pairs
 
 
 def checked_pair(path, number: int, value) -> dict:
@@ -122,7 +128,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     check_best_metric(training_args, EVAL_METRICS)
     prepare_process(training_args)
     limits = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
-    pairs = {split: read_pairs(path)[:limits[split]] for split, path in data_args.files(training_args).items()}
+    files = data_args.files(training_args)
+    pairs = {split: read_pairs(path)[:limits[split]] for split, path in files.items()}  # every line checked
     model_path = model_args.model_name_or_path or default_model()
     check_model_flags(model_path, model_args, training_args, evaluates(data_args, training_args))
     reference = not model_args.lora_r and not training_args.precompute_ref_log_probs
@@ -153,10 +160,13 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
         ref_model = load_model(model_path, config, model_args, training_args)
         fit_vocabulary(ref_model, tokenizer, model_args, saved)
     Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
-    trainer = ExtDPOTrainer(model=model, ref_model=ref_model, args=training_args,
-                            train_dataset=datasets.Dataset.from_list(pairs["train"]) if "train" in pairs else None,
-                            eval_dataset=datasets.Dataset.from_list(pairs["validation"]) if "validation" in pairs
-                            else None, processing_class=tokenizer,
+    # From the files, as datasets reads them (memory-mapped; TRL's tokenized and reference caches beside them, which
+    # every rank of the machine reads): the rows checked above, the first --max_*_samples of each split.
+    sets = {split: datasets.load_dataset("json", data_files=path, split="train") for split, path in files.items()}
+    sets = {split: data if limits[split] is None else data.select(range(len(pairs[split])))
+            for split, data in sets.items()}
+    trainer = ExtDPOTrainer(model=model, ref_model=ref_model, args=training_args, train_dataset=sets.get("train"),
+                            eval_dataset=sets.get("validation"), processing_class=tokenizer,
                             peft_config=lora_config(model_args, targets, saved))
     return evaluate_and_train(trainer, training_args, data_args, len(pairs.get("train", [])))
 

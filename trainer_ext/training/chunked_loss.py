@@ -35,6 +35,12 @@ def output_head(module):
     return head if isinstance(head, torch.nn.Module) else None
 
 
+def calls_layers_with_parameters(head) -> bool:
+    """Whether the head's forward runs layers of its own that hold parameters (a peft wrapper), not only its own
+    weight."""
+    return any(next(child.parameters(), None) is not None for child in head.children())
+
+
 def chunk_tokens(vocab_size: int) -> int:
     """Tokens per chunk: as many as keep one chunk's fp32 logits within CHUNK_BYTES."""
     return max(1, CHUNK_BYTES // (4 * max(vocab_size, 1)))
@@ -46,9 +52,14 @@ class ChunkedHead:
     collator's shift_labels as they are) as a (1, 1, 1) tensor, computed `chunk_size` target tokens at a time.
     `label_smoothing` as torch's cross_entropy reads it."""
 
-    def __init__(self, head, targets, shifted: bool, chunk_size: int, label_smoothing: float = 0.0):
+    def __init__(self, head, targets, shifted: bool, chunk_size: int, label_smoothing: float = 0.0,
+                 agree_on_chunks=None):
         self.head, self.targets, self.shifted, self.label_smoothing = head, targets, shifted, label_smoothing
         self.chunk_size = chunk_size
+        # A head whose layers hold the parameters (peft's modules_to_save copy, LoRA on lm_head) is called per chunk
+        # through them: under ZeRO-3 (or an FSDP unit inside) each call gathers their weights, so every rank must make
+        # the same number of calls. `agree_on_chunks(count)`: the largest count of any rank (a collective).
+        self.agree_on_chunks = agree_on_chunks if calls_layers_with_parameters(head) else None
         self.calls, self.returned = 0, None
         self._own_forward = None
 
@@ -83,8 +94,11 @@ class ChunkedHead:
         wanted = targets.ne(IGNORE_INDEX)
         selected, labels = hidden[wanted], targets[wanted]  # only the target tokens go through the head
         size = self.chunk_size
+        chunks = -(-labels.numel() // size)
+        if self.agree_on_chunks is not None:  # ranks with fewer target tokens run empty chunks
+            chunks = self.agree_on_chunks(chunks)
         total = hidden.reshape(-1)[0].float() * 0.0  # connected to the model: no targets backpropagate zeros
-        for start in range(0, labels.numel(), size):
+        for start in range(0, chunks * size, size):
             total = total + checkpoint(
                 self._chunk, selected[start:start + size], labels[start:start + size], use_reentrant=False)
         self.returned = total.float().view(1, 1, 1)
