@@ -112,7 +112,8 @@ class ScaledLlamaForCausalLM(LlamaForCausalLM):
 def test_a_model_that_changes_its_logits_is_named_with_the_flag(tmp_path):
     """The loss taken through lm_head would ignore what the model does to its logits afterwards: refused at the
     first step, naming the model and --chunked_loss false; with the flag off it trains on the model's own logits."""
-    with pytest.raises(UserError, match="ScaledLlamaForCausalLM's forward changes what Linear returns .* --chunked_loss false"):
+    with pytest.raises(UserError, match="ScaledLlamaForCausalLM's forward changes what Linear returns .* "
+                                        "--chunked_loss false"):
         loss_and_gradients(tiny_llama(ScaledLlamaForCausalLM), tmp_path, True)
     loss, _, shapes = loss_and_gradients(tiny_llama(ScaledLlamaForCausalLM), tmp_path, False)
     assert shapes == [(3, 20, VOCAB)] and loss > 0

@@ -100,3 +100,29 @@ def test_precomputed_reference_log_probs_need_datasets_on_files_on_several_ranks
     check_precomputed_reference(args, {"train_dataset": on_files, "eval_dataset": {"held_out": on_files}})
     check_precomputed_reference(types.SimpleNamespace(precompute_ref_log_probs=True, world_size=1),
                                 {"train_dataset": in_memory})
+
+
+def test_new_tokens_grow_the_embeddings_and_train_only_when_saved_whole():
+    """A tokenizer with tokens the model lacks (added tokens): the model's embeddings were indexed out of range at the
+    first batch holding one; under LoRA their rows would never train. They grow to the tokenizer (both ends); under
+    LoRA only with embed_tokens and lm_head trained whole, else one line naming the flag."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer_ext.errors import ArgumentsError
+    from trainer_ext.tasks.causal_lm import ModelArguments, fit_vocabulary
+
+    def model():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
+
+    grown = [None] * 100  # a tokenizer of 100 tokens, as fit_vocabulary reads it (its length)
+    with pytest.raises(ArgumentsError, match="4 tokens the model's 96 embeddings lack .* --lora_modules_to_save "
+                                             "embed_tokens,lm_head"):
+        fit_vocabulary(model(), grown, ModelArguments(lora_r=4), None)
+    for flags, saved in (({"lora_r": 4, "lora_modules_to_save": "embed_tokens,lm_head"}, ["embed_tokens", "lm_head"]),
+                         ({}, None)):
+        resized = model()
+        fit_vocabulary(resized, grown, ModelArguments(**flags), saved)
+        assert resized.get_input_embeddings().num_embeddings == resized.get_output_embeddings().out_features == 100
