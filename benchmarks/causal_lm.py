@@ -6,6 +6,12 @@ benchmarks/results/causal_lm.md and .json: real tokens/s side by side and each r
     python benchmarks/causal_lm.py            # 1536 samples, 2 repeats: ~6 min on 2 cores (estimated)
     python benchmarks/causal_lm.py --quick    # 1024 samples, 1 repeat: 2.6 min measured
     python benchmarks/causal_lm.py --only "1 process" DDP --repeats 1
+    python benchmarks/causal_lm.py --loss     # the chunked loss against the whole logits: peak memory and step time
+
+--loss trains a Llama of Llama 3's vocabulary (128,256 tokens; 2 layers of hidden 128) on sequences of 4,096 tokens,
+one per step, on one process, with ExtTrainer's chunked loss and with --chunked_loss false, each in a fresh process,
+alternating: the peak resident memory above the process's own before training (ru_maxrss, what the step adds) and the
+median step time; results in benchmarks/results/causal_lm_loss.md and .json, beside the planner's loss term.
 
 Real tokens are the samples' own tokens (chat template applied, no padding), counted from the data, not taken from
 the Trainer: the benchmark tokenizes the training file as the recipe does (trainer_ext.tasks.chat_data.encode), packs
@@ -235,8 +241,119 @@ def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
     path.write_text("\n".join(lines))
 
 
+# -- the chunked loss against the whole logits -------------------------------------------------------------------------
+LOSS_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+
+
+def loss_child(args) -> None:
+    """One variant in this process: ExtTrainer trains the large-vocabulary Llama for --loss_steps steps of one
+    sequence; writes {peak_above_start_bytes, step_seconds, losses} to --loss_out."""
+    import resource
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+
+    from trainer_ext import ExtTrainer, ExtTrainingArguments
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=args.vocab, max_position_embeddings=args.seq, tie_word_embeddings=False,
+                         **LOSS_SHAPE)
+    model = LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(args.loss_steps):
+        ids = torch.randint(0, args.vocab, (args.seq,), generator=generator)
+        labels = ids.clone()
+        labels[: args.seq // 10] = -100  # a prompt without labels: completion-only
+        rows.append({"input_ids": ids, "labels": labels})
+    times, started = [], []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            started.append(time.perf_counter())
+
+        def on_step_end(self, *_, **__):
+            times.append(time.perf_counter() - started[-1])
+
+    out = Path(tempfile.mkdtemp(prefix="loss-"))
+    training = ExtTrainingArguments(output_dir=str(out), use_cpu=True, per_device_train_batch_size=1,
+                                    max_steps=args.loss_steps, learning_rate=1e-4, logging_steps=1,
+                                    save_strategy="no", report_to="none", disable_tqdm=True,
+                                    chunked_loss=args.loss_child == "chunked")
+    trainer = ExtTrainer(model=model, args=training, train_dataset=rows, callbacks=[Clock()])
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    trainer.train()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    shutil.rmtree(out, ignore_errors=True)
+    Path(args.loss_out).write_text(json.dumps({"peak_above_start_bytes": peak - start, "step_seconds": times,
+                                               "losses": losses}))
+
+
+def loss_benchmark(args) -> int:
+    """--chunked_loss on and off, alternating, each in a fresh process; the markdown and JSON report."""
+    from trainer_ext.planner import DecoderShape, decoder_activation_bytes
+
+    results = {"chunked": [], "full": []}
+    root = Path(tempfile.mkdtemp(prefix="trainer-ext-loss-bench-"))
+    clock = time.perf_counter()
+    for repeat in range(args.repeats or 2):
+        for variant in (("full", "chunked") if repeat % 2 == 0 else ("chunked", "full")):
+            out = root / f"{variant}-{repeat}.json"
+            done = subprocess.run([sys.executable, __file__, "--loss_child", variant, "--vocab", str(args.vocab),
+                                   "--seq", str(args.seq), "--loss_steps", str(args.loss_steps), "--loss_out",
+                                   str(out)], capture_output=True, text=True, cwd=REPO, timeout=args.run_timeout,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+            if done.returncode != 0:
+                raise SystemExit(f"{variant} failed:\n{done.stderr[-5000:]}")
+            results[variant].append(json.loads(out.read_text()))
+            row = results[variant][-1]
+            print(f"repeat {repeat + 1} {variant}: peak +{row['peak_above_start_bytes'] / 2 ** 30:.2f} GiB, "
+                  f"median step {statistics.median(row['step_seconds'][1:]):.2f} s", flush=True)
+    shape = DecoderShape("llama", LOSS_SHAPE["hidden_size"], 2, 4, 2, 32, LOSS_SHAPE["intermediate_size"], args.vocab,
+                         False)
+    planned = {variant: decoder_activation_bytes(shape, 1, args.seq, 4, chunked_loss=variant == "chunked").loss
+               for variant in results}
+    rows = {variant: {"peak_above_start_gib": statistics.median(r["peak_above_start_bytes"] for r in runs) / 2 ** 30,
+                      "median_step_seconds": statistics.median(t for r in runs for t in r["step_seconds"][1:]),
+                      "planned_loss_gib": planned[variant] / 2 ** 30, "losses": runs[0]["losses"]}
+            for variant, runs in results.items()}
+    meta = {"device": f"{os.cpu_count()} shared CPU cores, one process", "started": time.strftime("%Y-%m-%d"),
+            "minutes": (time.perf_counter() - clock) / 60, **versions(), "vocab": args.vocab, "seq": args.seq,
+            "steps": args.loss_steps, "repeats": len(results["full"]),
+            "model": f"LlamaForCausalLM {LOSS_SHAPE}, fp32, one sequence a step, 10% of it prompt (no labels)",
+            "command": shlex.join(["python", "benchmarks/causal_lm.py", *(args.argv or [])])}
+    path = REPO / "benchmarks" / "results" / "causal_lm_loss.md"
+    path.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    full, chunked = rows["full"], rows["chunked"]
+    path.write_text("\n".join([
+        "# The chunked loss against the whole logits (benchmarks/causal_lm.py --loss)", "",
+        f"{meta['model']}; vocabulary {args.vocab:,}, {args.seq:,} tokens a step; {meta['device']}; "
+        f"{meta['repeats']} runs each, alternating, {args.loss_steps} steps a run (the first left out of the time); "
+        f"torch {meta.get('torch')}, transformers {meta.get('transformers')}. `{meta['command']}`", "",
+        "| loss | peak memory a step adds | median step | the planner's loss term |", "|---|---|---|---|",
+        *(f"| {name} | {row['peak_above_start_gib']:.2f} GiB | {row['median_step_seconds']:.2f} s | "
+          f"{row['planned_loss_gib']:.2f} GiB |" for name, row in (("whole logits (--chunked_loss false)", full),
+                                                                  ("chunked (default)", chunked))), "",
+        f"The chunked loss: {chunked['peak_above_start_gib'] / full['peak_above_start_gib']:.2f}x the peak, "
+        f"{chunked['median_step_seconds'] / full['median_step_seconds']:.2f}x the step time (each chunk's logits are "
+        "computed twice: in the forward and again in backward). Losses: "
+        + ", ".join(f"{a:.6f}/{b:.6f}" for a, b in zip(full["losses"], chunked["losses"])) + " (whole/chunked).",
+        ""]))
+    shutil.rmtree(root, ignore_errors=True)
+    print(f"wrote {path} and {path.with_suffix('.json')}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--loss", action="store_true", help="the chunked loss against the whole logits (see above)")
+    parser.add_argument("--vocab", type=int, default=128256, help="--loss: vocabulary size")
+    parser.add_argument("--seq", type=int, default=4096, help="--loss: tokens a step")
+    parser.add_argument("--loss_steps", type=int, default=4, help="--loss: steps a run")
+    parser.add_argument("--loss_child", choices=("chunked", "full"), help=argparse.SUPPRESS)
+    parser.add_argument("--loss_out", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="1024 samples and 1 repeat (unless given)")
     parser.add_argument("--samples", type=int, help="--max_train_samples (default 1536; --quick 1024)")
     parser.add_argument("--repeats", type=int, help="default 2; --quick 1")
@@ -253,6 +370,12 @@ def main(argv=None) -> int:
     parser.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "causal_lm.md"))
     parser.add_argument("--report_only", action="store_true", help="rewrite the .md from the saved .json")
     args = parser.parse_args(argv)
+    args.argv = argv if argv is not None else sys.argv[1:]
+    if args.loss_child:
+        loss_child(args)
+        return 0
+    if args.loss:
+        return loss_benchmark(args)
     if args.report_only:
         saved = json.loads(Path(args.results).with_suffix(".json").read_text())
         write_markdown(Path(args.results), saved["rows"], saved["meta"])

@@ -29,7 +29,9 @@ commands:
                                [--per_device_train_batch_size N] [--max_seq_length N (packed length)]
                                [--gradient_checkpointing] [--attention sdpa|eager] [--device_memory 80GB]
                                [--lora_r R [--lora_target_modules q_proj,v_proj,...|all-linear]
-                                [--lora_dropout P] [--lora_alpha A]] [--json]
+                                [--lora_dropout P] [--lora_alpha A] [--lora_dora] [--lora_rslora]
+                                [--lora_modules_to_save embed_tokens,lm_head] [--load_in_4bit]]
+                               [--chunked_loss true|false] [--json]
 """
 
 
@@ -264,6 +266,16 @@ def plan(argv: list[str]) -> int:
                                                     "peft's for the Llama family), or all-linear")
     lora.add_argument("--lora_dropout", type=float, default=0.0, help="peft's lora_dropout (default 0)")
     lora.add_argument("--lora_alpha", type=float, help="accepted for a training command's flags; no memory effect")
+    lora.add_argument("--lora_dora", "--use_dora", action="store_true",
+                      help="DoRA: a magnitude per output feature trained, each adapted module's two outputs kept")
+    lora.add_argument("--lora_rslora", "--use_rslora", action="store_true",
+                      help="accepted for a training command's flags (rank-stabilised scaling); no memory effect")
+    lora.add_argument("--lora_modules_to_save", help="embed_tokens,lm_head: trained whole (new tokens), saved with "
+                                                     "the adapter")
+    lora.add_argument("--load_in_4bit", action="store_true", help="QLoRA: the frozen decoder linears in 4-bit NF4")
+    parser.add_argument("--chunked_loss", choices=("true", "false"), default="true",
+                        help="ExtTrainer's loss through lm_head a chunk of tokens at a time (default true: the whole "
+                             "logits never built; false: 12 bytes a token and vocabulary entry)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
     args = parser.parse_args(argv)
     problems = []
@@ -285,15 +297,20 @@ def plan(argv: list[str]) -> int:
             raise PlanError("\n".join(problems))
         size = (ModelSize(count, "--num_parameters") if args.num_parameters
                 else model_size(args.model, num_labels=args.num_labels))
-        if args.lora_r is None and (args.lora_target_modules or args.lora_dropout or args.lora_alpha is not None):
-            raise PlanError("--lora_target_modules, --lora_dropout and --lora_alpha describe LoRA adapters: give "
-                            "their rank too, e.g. --lora_r 16")
-        adapters = (lora_settings(size.decoder, args.lora_r, args.lora_target_modules, args.lora_dropout)
+        lora_only = [f"--{name}" for name in ("lora_target_modules", "lora_dropout", "lora_alpha", "lora_dora",
+                                              "lora_rslora", "lora_modules_to_save", "load_in_4bit")
+                     if getattr(args, name) not in (None, False, 0.0)]
+        if args.lora_r is None and lora_only:
+            raise PlanError(f"{', '.join(lora_only)} {'is a setting' if len(lora_only) == 1 else 'are settings'} of "
+                            "LoRA adapters: give their rank too, e.g. --lora_r 16")
+        adapters = (lora_settings(size.decoder, args.lora_r, args.lora_target_modules, args.lora_dropout,
+                                  args.lora_dora, args.lora_modules_to_save, args.load_in_4bit)
                     if args.lora_r is not None else None)
         result = make_plan(size, args.world_size, "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
                            offload=args.offload, batch_size=args.per_device_train_batch_size,
                            seq_length=args.max_seq_length, device_memory=device_memory, attention=args.attention,
-                           lora=adapters, gradient_checkpointing=args.gradient_checkpointing)
+                           lora=adapters, gradient_checkpointing=args.gradient_checkpointing,
+                           chunked_loss=args.chunked_loss == "true")
     except PlanError as err:
         print(f"trainer-ext plan: error: {err}", file=sys.stderr)
         return 2

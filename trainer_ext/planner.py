@@ -60,10 +60,11 @@ class DecoderShape:
         h, layer = self.hidden_size, list(self.linears().values())
         biases = [out for _, out in layer[:3]] if self.attention_bias else []
         adapters = [n for name, (fi, fo) in self.linears().items() if lora and name in lora.target_modules
-                    for n in (lora.r * fi, lora.r * fo)]
+                    for n in (lora.r * fi, lora.r * fo, *([fo] if lora.dora else []))]
         per_layer = [h, h, *(fi * fo for fi, fo in layer), *biases, *adapters]
+        saved = [self.vocab_size * h] * len(lora.modules_to_save) if lora else []  # trained copies (modules_to_save)
         return [self.vocab_size * h, *per_layer * self.num_layers, h,
-                *([] if self.tied_embeddings else [self.vocab_size * h])]
+                *([] if self.tied_embeddings else [self.vocab_size * h]), *saved]
 
     def linears(self) -> dict[str, tuple[int, int]]:
         """Each decoder layer's Linear modules: name -> (input features, output features)."""
@@ -79,6 +80,9 @@ class LoRA:
     r: int
     target_modules: tuple[str, ...]
     dropout: float = 0.0  # peft's lora_dropout: > 0 keeps a dropped copy of each targeted module's input and its mask
+    dora: bool = False  # weight-decomposed (use_dora): a trained magnitude per output feature, two outputs kept
+    modules_to_save: tuple[str, ...] = ()  # embed_tokens / lm_head trained whole (peft keeps the frozen original too)
+    quantized: bool = False  # QLoRA: the frozen base's decoder linears in 4-bit NF4 (bitsandbytes)
 
 
 @dataclass(frozen=True)
@@ -94,13 +98,26 @@ class ModelSize:
 
 
 def lora_parameters(shape: DecoderShape, lora: LoRA) -> int:
-    """Trainable parameters of LoRA adapters: r·(in + out) for each targeted Linear(in, out) of each layer."""
-    return shape.num_layers * sum(lora.r * (features_in + features_out)
-                                  for name, (features_in, features_out) in shape.linears().items()
-                                  if name in lora.target_modules)
+    """Trainable parameters of LoRA adapters: r·(in + out) for each targeted Linear(in, out) of each layer, + out for
+    DoRA's magnitude, + the vocabulary × hidden copy of each module to save (embed_tokens, lm_head)."""
+    adapters = shape.num_layers * sum(lora.r * (features_in + features_out) + (features_out if lora.dora else 0)
+                                      for name, (features_in, features_out) in shape.linears().items()
+                                      if name in lora.target_modules)
+    return adapters + len(lora.modules_to_save) * shape.vocab_size * shape.hidden_size
 
 
-def lora_settings(shape: DecoderShape | None, r: int, target_modules: str | None = None, dropout: float = 0.0) -> LoRA:
+def decoder_linear_parameters(shape: DecoderShape) -> int:
+    """The decoder layers' Linear weights (what 4-bit quantization stores in NF4; embeddings, norms and lm_head stay)."""
+    return shape.num_layers * sum(fi * fo for fi, fo in shape.linears().values())
+
+
+# bitsandbytes' NF4: half a byte a weight, plus one fp32 scale (absmax) a block of 64.
+NF4_BYTES = 0.5 + 4 / 64
+SAVABLE = ("embed_tokens", "lm_head")
+
+
+def lora_settings(shape: DecoderShape | None, r: int, target_modules: str | None = None, dropout: float = 0.0,
+                  dora: bool = False, modules_to_save: str | None = None, quantized: bool = False) -> LoRA:
     """A LoRA from the CLI's values, checked against the model's module names ("all-linear" as peft reads it); without
     target modules, peft's default for the family (q_proj and v_proj)."""
     if shape is None:
@@ -121,7 +138,11 @@ def lora_settings(shape: DecoderShape | None, r: int, target_modules: str | None
         what = f"{', '.join(hints)} {verb} of a {shape.model_type} layer" if hints else "no module named"
         raise PlanError(f"--lora_target_modules {target_modules!r}: {what}; choose among "
                         f"{', '.join(DECODER_LINEARS)}, or all-linear")
-    return LoRA(r, tuple(dict.fromkeys(names)), dropout)
+    saved = tuple(dict.fromkeys(name.strip() for name in (modules_to_save or "").split(",") if name.strip()))
+    if unknown := [name for name in saved if name not in SAVABLE]:
+        raise PlanError(f"--lora_modules_to_save {modules_to_save!r}: the planner counts {' and '.join(SAVABLE)} "
+                        f"(the embeddings new tokens need), not {', '.join(unknown)}")
+    return LoRA(r, tuple(dict.fromkeys(names)), dropout, dora, saved, quantized)
 
 
 @dataclass(frozen=True)
@@ -216,7 +237,7 @@ def activation_bytes(size: ModelSize, batch_size: int, seq_length: int, mixed: b
 def decoder_activation_bytes(shape: DecoderShape, batch_size: int, seq_length: int, compute_bytes: int,
                              autocast: bool = False, lora: LoRA | None = None, checkpointing: bool = False,
                              attention: str = "sdpa", linears_keep_inputs: bool = False,
-                             dropout_mask_bytes: float = 1) -> DecoderActivations:
+                             dropout_mask_bytes: float = 1, chunked_loss: bool = False) -> DecoderActivations:
     """Peak bytes of a Llama-family decoder's activations in a training step, term by term: each is a tensor a torch op
     keeps for backward in transformers' LlamaForCausalLM, for b sequences of s tokens packed without padding (t = b·s
     tokens). Checked tensor by tensor (torch's saved-tensor hooks, deduplicated by storage) on CPU in
@@ -243,15 +264,21 @@ def decoder_activation_bytes(shape: DecoderShape, batch_size: int, seq_length: i
         and, with lora_dropout, its dropped copy and mask ((c + 1)·in, CUDA's mask being 1 byte); frozen projections
         keep no input (except under DeepSpeed's ZeRO-3 Linear: `linears_keep_inputs`);
       under autocast, 16-bit copies of the trained weights (2 bytes a parameter, cached by autocast).
+      DoRA: each targeted module's base output and adapter output (2·c·out), which the magnitude's scaling keeps
+        (peft's identity matrix and weight product serve a detached norm and are freed in the forward);
     A tensor no gradient flows through keeps nothing: under LoRA without checkpointing the first layer's input needs
-    no gradient (frozen embeddings), so its input RMSNorm keeps nothing, and of a product only the side whose
-    partner needs a gradient is kept. Outside the layers (head), per token: the token ids (8, for the embeddings'
-    gradient) when trained, the final RMSNorm, lm_head's input (e·h, its own 2h copy under autocast, and a 16-bit copy
-    of lm_head's weight) when trained. The loss, per token: log-softmax's fp32 output (4V), kept by the cross entropy,
-    and the int64 targets (8); its backward then holds the gradient it receives and the one it returns, fp32 too:
-    12V in all, the largest term for a large vocabulary. The 16-bit logits (c·V, what the model returns) and their
-    fp32 upcast (4V, transformers' ForCausalLMLoss `logits.float()`) exist only during the forward: at most 10V with
-    the 4V kept, less than the backward's 12V, and freed by then.
+    no gradient (frozen embeddings, unless trained whole: modules_to_save), so its input RMSNorm keeps nothing, and of
+    a product only the side whose partner needs a gradient is kept. Outside the layers (head), per token: the token
+    ids (8, for the embeddings' gradient) when trained, the final RMSNorm, lm_head's input (e·h, its own 2h copy under
+    autocast, and a 16-bit copy of lm_head's weight) when trained. The loss, per token: log-softmax's fp32 output
+    (4V), kept by the cross entropy, and the int64 targets (8); its backward then holds the gradient it receives and
+    the one it returns, fp32 too: 12V in all, the largest term for a large vocabulary. The 16-bit logits (c·V, what
+    the model returns) and their fp32 upcast (4V, transformers' ForCausalLMLoss `logits.float()`) exist only during
+    the forward: at most 10V with the 4V kept, less than the backward's 12V, and freed by then. With `chunked_loss`
+    (ExtTrainer's default, training/chunked_loss.py) the loss keeps per token only a copy of lm_head's input (e·h) and
+    the targets (8), and at its peak one chunk of C tokens is recomputed in backward: its logits (c), their fp32 copy
+    (4, mixed precision), log-softmax's output and its backward's two gradients (12): (12 + c [+ 4])·C·V, C =
+    training.chunked_loss.chunk_tokens(V) (261 tokens at 128k: 0.6 GiB in bf16), whatever the batch.
 
     Without checkpointing the peak is the cross entropy's backward: layers + head + loss. With checkpointing
     (transformers' gradient checkpointing) each layer keeps only its input (e·h per token), and the peak is the larger
@@ -264,6 +291,8 @@ def decoder_activation_bytes(shape: DecoderShape, batch_size: int, seq_length: i
     autocast = autocast and mixed
     stream = 4 if (not mixed or (autocast and full)) else c
     trained = set(DECODER_LINEARS) if full else set(lora.target_modules)
+    embeddings_trained = full or "embed_tokens" in lora.modules_to_save
+    head_trained = full or "lm_head" in lora.modules_to_save
 
     def norm() -> float:
         return 4 * h + 4 + (stream * h if full else 0)
@@ -300,6 +329,8 @@ def decoder_activation_bytes(shape: DecoderShape, batch_size: int, seq_length: i
         kept += c * i * (2 * gate_grad + up_grad)  # SiLU keeps its input; the product each side for the other's
         kept += kept_input(("down_proj",), i, c, False, False, gate_grad or up_grad)
         kept += 0 if full else c * lora.r * len(trained)
+        if not full and lora.dora:  # the magnitude's scaling keeps the base output and the adapter's output
+            kept += 2 * c * sum(fo for name, (_, fo) in shape.linears().items() if name in trained)
         if not autocast:
             return kept * tokens
         # autocast keeps the 16-bit copy of a weight where the Linear's input needs a gradient (lora_B's always)
@@ -310,22 +341,30 @@ def decoder_activation_bytes(shape: DecoderShape, batch_size: int, seq_length: i
         return kept * tokens + 2 * copies
 
     rotary = 2 * s * d * stream
-    head = norm() + ((8 + (2 if autocast else stream) * h) if full else stream * h if linears_keep_inputs else 0)
+    head = norm() + ((8 + (2 if autocast else stream) * h) if full else
+                     (8 if embeddings_trained else 0) + (stream * h if head_trained or linears_keep_inputs else 0))
     head_bytes = head * tokens + (2 * vocab * h if full and autocast else 0)
-    loss = (12 * vocab + 8) * tokens
+    if chunked_loss:
+        from .training.chunked_loss import chunk_tokens
+
+        loss = (stream * h + 8) * tokens + (12 + c + (4 if mixed else 0)) * min(tokens, chunk_tokens(vocab)) * vocab
+    else:
+        loss = (12 * vocab + 8) * tokens
     if checkpointing:  # an fp32 stream: the recomputed first RMSNorm keeps the very input the checkpoint holds
         recomputed = layer(True) + rotary - (4 * h * tokens if stream == 4 else 0)
         return DecoderActivations(shape.num_layers * stream * h * tokens, head_bytes, loss, recomputed)
-    layers = layer(full) + (shape.num_layers - 1) * layer(True) + rotary
+    layers = layer(embeddings_trained) + (shape.num_layers - 1) * layer(True) + rotary
     return DecoderActivations(layers, head_bytes, loss)
 
 
 def plan(size: ModelSize, world_size: int, precision: str = "fp32", offload: bool = False,
          batch_size: int = 8, seq_length: int = 512, device_memory: float | None = None,
-         attention: str = "sdpa", lora: LoRA | None = None, gradient_checkpointing: bool = False) -> Plan:
+         attention: str = "sdpa", lora: LoRA | None = None, gradient_checkpointing: bool = False,
+         chunked_loss: bool = True) -> Plan:
     """Per-rank bytes for every backend; `device_memory` (bytes) marks which fit and `cheapest_fitting()` names the
     first in order of preference; ZeRO-2 and ZeRO-3 with offload are candidates only with `offload`. `seq_length` is
-    the packed length: each rank's batch is `batch_size` sequences of that many tokens."""
+    the packed length: each rank's batch is `batch_size` sequences of that many tokens. `chunked_loss`: ExtTrainer's
+    loss through lm_head a chunk at a time (its default; --chunked_loss false builds the whole logits)."""
     problems = []
     if not isinstance(world_size, int) or world_size < 1:
         problems.append(f"--world_size must be a positive integer, got {world_size!r}")
@@ -345,12 +384,15 @@ def plan(size: ModelSize, world_size: int, precision: str = "fp32", offload: boo
     compute_bytes = 2 if mixed else 4
     trainable = lora_parameters(size.decoder, lora) if lora else size.num_parameters
     frozen = size.num_parameters if lora else 0
+    # The frozen base's bytes: the compute dtype, or NF4 for the decoder linears of a 4-bit base.
+    quantized = decoder_linear_parameters(size.decoder) if lora and lora.quantized else 0
+    frozen_bytes = (frozen - quantized) * compute_bytes + quantized * NF4_BYTES
 
     def activations(formula: BackendFormula) -> float | None:
         if size.decoder is not None:
             return decoder_activation_bytes(size.decoder, batch_size, seq_length, compute_bytes, formula.autocast,
                                             lora, gradient_checkpointing, attention,
-                                            formula.linears_keep_inputs).peak
+                                            formula.linears_keep_inputs, chunked_loss=chunked_loss).peak
         per_model = activation_bytes(size, batch_size, seq_length, mixed, attention)
         if per_model is None or not gradient_checkpointing:
             return per_model
@@ -362,7 +404,7 @@ def plan(size: ModelSize, world_size: int, precision: str = "fp32", offload: boo
     for formula in formulas(mixed):
         terms = formula.bytes(trainable, world_size)
         # A LoRA's frozen base: compute-dtype weights, no gradient, no optimizer state; sharded only with the rest.
-        terms["params"] += frozen * compute_bytes / (world_size if formula.frozen_sharded else 1)
+        terms["params"] += frozen_bytes / (world_size if formula.frozen_sharded else 1)
         host = 0.0
         if formula.host_optimizer:
             host = terms["grads"] + terms["optimizer"]
@@ -387,7 +429,7 @@ def plan(size: ModelSize, world_size: int, precision: str = "fp32", offload: boo
                 fits = estimate.device_total <= device_memory
                 estimate.fits = fits if estimate.activations is not None or not fits else None
     result = Plan(size, world_size, precision, estimates, device_memory,
-                  activation_note(size, attention, lora, gradient_checkpointing, mixed), offload=offload,
+                  activation_note(size, attention, lora, gradient_checkpointing, mixed, chunked_loss), offload=offload,
                   trainable_parameters=trainable, lora=lora,
                   gradient_checkpointing=gradient_checkpointing, seq_length=seq_length, batch_size=batch_size)
     if estimates[0].activations is None:
@@ -395,7 +437,8 @@ def plan(size: ModelSize, world_size: int, precision: str = "fp32", offload: boo
                             "(give a folder or config.json with them)")
     if size.decoder is not None:
         result.activation_terms = decoder_activation_bytes(size.decoder, batch_size, seq_length, compute_bytes, False,
-                                                           lora, gradient_checkpointing, attention)
+                                                           lora, gradient_checkpointing, attention,
+                                                           chunked_loss=chunked_loss)
         if attention == "eager" and size.attention_dropout:
             result.notes.append("the config's attention_dropout > 0: eager attention's dropout masks are not counted")
     return result
@@ -507,7 +550,7 @@ def safetensors_parameters(path: Path) -> int:
 
 
 def activation_note(size: ModelSize, attention: str, lora: LoRA | None = None, checkpointing: bool = False,
-                    mixed: bool = False) -> str:
+                    mixed: bool = False, chunked_loss: bool = False) -> str:
     """How the activations column was computed, for the report."""
     if size.decoder is not None:
         shape = size.decoder
@@ -518,9 +561,17 @@ def activation_note(size: ModelSize, attention: str, lora: LoRA | None = None, c
         checkpoints = ("; checkpointing: each layer keeps its input, the peak is the larger of the loss's backward "
                        "and one layer's recomputation" if checkpointing else "")
         logits = "the 16-bit logits and their fp32 upcast live" if mixed else "the fp32 logits live"
+        if chunked_loss:
+            from .training.chunked_loss import chunk_tokens
+
+            loss = (f"the loss, chunked (ExtTrainer's default): lm_head's input and the targets per token, and one "
+                    f"chunk of {chunk_tokens(shape.vocab_size)} tokens' logits, log-softmax and gradients at a time "
+                    f"(V = {shape.vocab_size:,}; --chunked_loss false: 12V bytes a token)")
+        else:
+            loss = (f"the loss: log-softmax's fp32 output and its backward's two fp32 gradients, 12V bytes with V = "
+                    f"{shape.vocab_size:,} ({logits} only in the forward)")
         return (f"decoder LLM ({shape.model_type}, {attention}), per token: what autograd keeps of each layer "
-                f"({kept}); the loss: log-softmax's fp32 output and its backward's two fp32 gradients, 12V bytes with "
-                f"V = {shape.vocab_size:,} ({logits} only in the forward){checkpoints}; autocast rows (ddp, simple) "
+                f"({kept}); {loss}{checkpoints}; autocast rows (ddp, simple) "
                 "keep fp32 norms and 16-bit copies of projection inputs and weights; terms: "
                 "trainer_ext.planner.decoder_activation_bytes")
     terms = "32" + (" + 2 (dropout masks)" if size.dropout else "")
@@ -620,8 +671,12 @@ def render(result: Plan) -> str:
     header = (f"model: {size.num_parameters:,} parameters ({size.source}); {result.world_size} ranks, "
               f"{result.precision}; {unit} per rank")
     if result.lora:
-        header += (f"\ntrainable: {result.trainable_parameters:,} parameters (LoRA r={result.lora.r} on "
-                   f"{', '.join(result.lora.target_modules)}; the base frozen in "
+        lora = result.lora
+        kind = "DoRA" if lora.dora else "LoRA"
+        saved = f", {' and '.join(lora.modules_to_save)} trained whole" if lora.modules_to_save else ""
+        base = "4-bit NF4 (decoder linears), the rest in " if lora.quantized else ""
+        header += (f"\ntrainable: {result.trainable_parameters:,} parameters ({kind} r={lora.r} on "
+                   f"{', '.join(lora.target_modules)}{saved}; the base frozen in {base}"
                    f"{'fp32' if result.precision == 'fp32' else result.precision})")
     else:
         header += f"\ntrainable: {result.trainable_parameters:,} parameters (full fine-tuning)"

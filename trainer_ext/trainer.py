@@ -6,6 +6,7 @@ integrations/internals.py."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import signal
@@ -25,8 +26,9 @@ from .config.batch import given_record
 from .data.samplers import ResumableBatchSampler, check_global_batch
 from .data.stream import TrainingStream, is_stream
 from .errors import UserError
-from .training.losses import (EvaluationLosses, NumItemsProbe, shifts_labels, sliced, takes_num_items,
-                              token_cross_entropy)
+from .training.chunked_loss import ChunkedHead, chunk_tokens, output_head
+from .training.losses import (EvaluationLosses, NumItemsProbe, base_model, shifts_labels, sliced, takes_num_items,
+                              token_cross_entropy, token_labels)
 from .training.batches import MIXED_PACKED_SAMPLES, mixed_packed_samples
 from .training.metrics_check import checked_compute_metrics
 from .checkpoints.output_lock import hold_output_dir, release_output_dir
@@ -47,6 +49,8 @@ logger = logging.getLogger(__name__)
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 # Where the Hub client's errors come from (huggingface_hub's own, its HTTP library's: httpx, or httpx2, requests).
 HUB_ERROR_MODULES = ("huggingface_hub", "httpx", "httpx2", "requests", "urllib3")
+# Trainer's parameters after model and args, in order: the names of the positional arguments ExtTrainer passes on.
+TRAINER_PARAMETERS = tuple(inspect.signature(Trainer.__init__).parameters)[3:]
 
 
 class ExtTrainer(PrivateTrainerHooks, Trainer):
@@ -67,13 +71,19 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                  class_weights=None, optimizer_settings: OptimizerSettings | None = None,
                  scheduler_settings: SchedulerSettings | None = None, **kwargs):
         _check_trl_arguments(type(self), args)
+        # By name: a trainer between this one and transformers' may take other arguments first (TRL's DPOTrainer takes
+        # ref_model second, and took these arguments for its reference model). Trainer's order names the positionals.
+        named = dict(zip(TRAINER_PARAMETERS, positional))
+        if twice := sorted(set(named) & set(kwargs)):
+            raise TypeError(f"{type(self).__name__}() got multiple values for argument {twice[0]!r}")
+        kwargs.update(named)
         # transformers refuses a stream without max_steps in its __init__, with a traceback: said first
-        check_training_data(kwargs.get("train_dataset", positional[1] if len(positional) > 1 else None), args)
+        check_training_data(kwargs.get("train_dataset"), args)
         if problems := hub_problems(args):  # stock arguments were not checked at parsing
             raise UserError(problems[0])
         prepare_process(args)  # the process set-up the arguments leave to training (once: sharded_loading may have)
         self.backend = select_backend(args)  # checks that it can run here
-        super().__init__(model, args, *positional, **kwargs)
+        super().__init__(model=model, args=args, **kwargs)
         # The user's own optimizer: --optim does not say which optimizer a checkpoint's state belongs to.
         self.user_optimizer = self.optimizer is not None or kwargs.get("optimizer_cls_and_kwargs") is not None
         check_process_group(self.args)
@@ -85,6 +95,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self.optimizer_settings = optimizer_settings or OptimizerSettings.from_args(self.args)
         self.scheduler_settings = scheduler_settings or SchedulerSettings.from_args(self.args)
         self._model_uses_num_items = None  # whether the loss reads num_items_in_batch: learnt in the first step
+        self._logits_wanted = False  # the evaluation step running needs the logits (prediction_step)
         self._said_token_normalisation = False
         self._train_order = None  # the training order (batch sampler or stream); its position goes in every checkpoint
         self._resume = None  # {"checkpoint", "step", "state", "loss_sum"}: the checkpoint resumed, its step, data
@@ -136,6 +147,8 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         if not model.training:  # an evaluation: each batch's own mean (EvaluationLosses weighs them by targets)
             num_items_in_batch = None
         labels = inputs.get("labels")
+        if labels is not None and self._chunked_loss_applies(model, inputs):
+            return self._chunked_loss(model, inputs, return_outputs, num_items_in_batch)
         if labels is not None and self._custom_loss_requested():
             outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
             loss = self._custom_loss(model, outputs, labels, num_items_in_batch)
@@ -176,6 +189,13 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         decided = torch.tensor([float(answer)], device=self.args.device)
         return bool(self.accelerator.reduce(decided, reduction="sum").item() > 0)
 
+    def _largest_on_every_rank(self, count: int) -> int:
+        """The largest `count` of any rank (every rank calls it together)."""
+        if self.args.world_size == 1:
+            return count
+        counts = self.accelerator.gather(torch.tensor([count], device=self.args.device))
+        return int(counts.max().item())
+
     def _say_where_token_losses_are_normalised(self) -> None:
         """Once, when a loss normalised by the targets is computed on several ranks that each count only their own."""
         if self._said_token_normalisation or self.args.average_tokens_across_devices or self.args.world_size == 1:
@@ -186,6 +206,40 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                            "its own target tokens, so losses and gradients differ from one process's on the same "
                            "batches; leave it on (the default) for the same training on any number of ranks",
                            self.args.world_size)
+
+    def _chunked_loss_applies(self, model, inputs) -> bool:
+        """Whether this batch's loss is a causal LM's token cross-entropy ExtTrainer takes chunk by chunk through
+        lm_head (--chunked_loss, the default): not a user's loss_fn or class weights, not a loss a trainer between
+        this one and transformers' computes (TRL's: SFTTrainer has its own chunked one), not an evaluation whose
+        metrics read the logits, not under torch.compile or Liger's kernels (fused already)."""
+        if not getattr(self.args, "chunked_loss", True) or self.loss_fn is not None or self.class_weights is not None:
+            return False
+        if self._parent_computes_loss() or (not model.training and self._logits_wanted) \
+                or self.args.torch_compile or getattr(self.args, "use_liger_kernel", False):
+            return False
+        module = self.backend.unwrap(self.accelerator.unwrap_model(model))
+        return (token_labels(inputs) is not None and shifts_labels(module) and output_head(module) is not None
+                and getattr(base_model(module).config.get_text_config(), "final_logit_softcapping", None) is None)
+
+    def _chunked_loss(self, model, inputs, return_outputs, num_items_in_batch):
+        """The causal LM's cross-entropy (with --label_smoothing_factor) over its target tokens, taken through lm_head
+        a chunk at a time inside the model's own forward (training/chunked_loss.py), normalised as the model's own
+        loss is: by the targets of every rank and micro-batch when transformers counted them, else by this batch's."""
+        module = self.backend.unwrap(self.accelerator.unwrap_model(model))
+        shifted = inputs.get("shift_labels")
+        targets = shifted if torch.is_tensor(shifted) else inputs["labels"][:, 1:]
+        config = base_model(module).config.get_text_config()
+        head = ChunkedHead(output_head(module), targets, not torch.is_tensor(shifted), chunk_tokens(config.vocab_size),
+                           self.args.label_smoothing_factor, self._largest_on_every_rank)
+        with head:
+            outputs = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")})
+        total = head.loss(outputs, type(base_model(module)).__name__)
+        normaliser = num_items_in_batch if num_items_in_batch is not None else targets.ne(-100).sum().clamp(min=1)
+        loss = self._normalised(total / torch.as_tensor(normaliser, device=total.device), num_items_in_batch is not None)
+        if not return_outputs:
+            return loss
+        return loss, type(outputs)(**{key: value for key, value in outputs.items() if key not in ("logits", "loss")},
+                                   loss=loss)
 
     def _custom_loss_requested(self) -> bool:
         if self.loss_fn is not None or self.class_weights is not None:
@@ -231,6 +285,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         self._check_batch("evaluation", inputs)
+        self._logits_wanted = not prediction_loss_only  # compute_metrics reads them: the loss builds them (evaluation)
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if self._evaluation_losses is not None and loss is not None:
             self._evaluation_losses.add(inputs, loss, lambda count: super(ExtTrainer, self).prediction_step(
@@ -495,7 +550,7 @@ def _check_trl_arguments(trainer_class, args) -> None:
     if trl_trainer is None or args is None or any(cls.__module__.split(".")[0] == "trl" for cls in type(args).__mro__):
         return
     config = trl_trainer.__name__.replace("Trainer", "Config")
-    shipped = " (trainer_ext.trl.ExtSFTConfig is that class)" if config == "SFTConfig" else ""
+    shipped = f" (trainer_ext.trl.Ext{config} is that class)" if config in ("SFTConfig", "DPOConfig") else ""
     raise UserError(f"{trainer_class.__name__} combines ExtTrainer with TRL's {trl_trainer.__name__}, which reads its "
                     f"own arguments class: pass a class deriving from both ExtTrainingArguments and trl.{config}"
                     f"{shipped}, not {type(args).__name__}")

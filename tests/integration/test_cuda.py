@@ -233,3 +233,18 @@ def test_causal_lm_recipe_learns_in_bf16_with_packing_on_a_gpu(tmp_path, lora):
     assert results["eval_token_accuracy"] > results["eval_before_token_accuracy"] + 0.1, results
     written = "adapter_model.safetensors" if lora else "model.safetensors"
     assert (tmp_path / "out" / written).is_file()
+
+
+@requires_cuda
+def test_qlora_recipe_learns_with_a_4_bit_base_on_a_gpu(tmp_path):
+    """examples/run_clm.py --load_in_4bit (bitsandbytes NF4, bf16 compute) with LoRA on the GPU, evaluated before and
+    after (on CPU an evaluation is refused: bitsandbytes repacks the weights for CPU inference and training stops
+    learning): the loss falls and the adapter is written. Written without a GPU lease: not yet run on one."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    env = {"TRAINER_EXT_CACHE": str(tmp_path / "cache")}
+    launch("single", tmp_path / "out", *CLM_FLAGS, "--lora_r", 8, "--learning_rate", "1e-2", "--load_in_4bit",
+           script=CLM, env=env)
+    results = json.loads((tmp_path / "out" / "all_results.json").read_text())
+    assert results["eval_loss"] < results["eval_before_loss"] - 0.2, results
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()

@@ -207,16 +207,21 @@ def test_llama3_8b_shape_and_parameters_are_transformers_own(tmp_path):
         for name, features in shape.linears().items()}
 
 
-@pytest.mark.parametrize("targets, rank, expected", [
-    ("q_proj,k_proj,v_proj,o_proj", 16, 13_631_488), ("all-linear", 8, 20_971_520), (None, 4, 1_703_936)])
-def test_lora_trainable_parameters_are_peft_own_count(tmp_path, targets, rank, expected):
-    """The adapters' parameters (r·(in + out) per targeted module and layer) would not be what peft trains on
-    Llama-3-8B: for the targets named, for "all-linear", or for peft's default targets (q_proj, v_proj)."""
+@pytest.mark.parametrize("targets, rank, expected, variant", [
+    ("q_proj,k_proj,v_proj,o_proj", 16, 13_631_488, {}), ("all-linear", 8, 20_971_520, {}), (None, 4, 1_703_936, {}),
+    ("q_proj,v_proj", 16, 6_815_744 + 32 * (4096 + 1024), {"dora": True}),
+    ("q_proj,v_proj", 16, 6_815_744 + 2 * 128256 * 4096, {"modules_to_save": "embed_tokens,lm_head"})])
+def test_lora_trainable_parameters_are_peft_own_count(tmp_path, targets, rank, expected, variant):
+    """The adapters' parameters (r·(in + out) per targeted module and layer; DoRA's magnitude per output feature; the
+    trained copies of modules to save) would not be what peft trains on Llama-3-8B: for the targets named, for
+    "all-linear", or for peft's default targets (q_proj, v_proj)."""
     peft = pytest.importorskip("peft")
     size = model_size(config_file(tmp_path, LLAMA3_8B))
-    adapters = lora_settings(size.decoder, rank, targets)
+    adapters = lora_settings(size.decoder, rank, targets, **variant)
+    saved = variant.get("modules_to_save")
     model = peft.get_peft_model(llama(LLAMA3_8B), peft.LoraConfig(r=rank, target_modules=targets and (
-        targets if targets == "all-linear" else targets.split(",")), task_type="CAUSAL_LM"))
+        targets if targets == "all-linear" else targets.split(",")), task_type="CAUSAL_LM",
+        use_dora=variant.get("dora", False), modules_to_save=saved.split(",") if saved else None))
     trainable, everything = model.get_nb_trainable_parameters()
     assert lora_parameters(size.decoder, adapters) == trainable == expected
     assert everything == LLAMA3_8B_PARAMETERS + trainable
@@ -239,6 +244,10 @@ ACTIVATION_CASES = {
                                                                             "attention": "eager"},
     "lora k_proj eager bf16": {"lora": ("k_proj", 0.0), "attention": "eager", "dtype": "bf16"},
     "lora checkpointing": {"lora": ("q_proj,v_proj", 0.0), "checkpointing": True},
+    # new tokens: the embeddings and lm_head trained whole (their ids and lm_head's input kept, the first layer's input
+    # needing a gradient)
+    "lora embed,lm_head saved": {"lora": ("q_proj,v_proj", 0.0, False, "embed_tokens,lm_head")},
+    "lora lm_head saved bf16": {"lora": ("q_proj,v_proj", 0.0, False, "lm_head"), "dtype": "bf16"},
     "lora up,o checkpointing autocast dropout": {"lora": ("up_proj,o_proj", 0.1), "checkpointing": True,
                                                  "autocast": True},
 }
@@ -266,7 +275,8 @@ def test_decoder_activations_are_what_autograd_saves(case):
         if settings["autocast"]:
             model = model.to(torch.bfloat16)  # the frozen base in the compute dtype; peft keeps the adapters fp32
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_dropout=adapters.dropout, task_type="CAUSAL_LM",
-                                                           target_modules=list(adapters.target_modules)))
+                                                           target_modules=list(adapters.target_modules),
+                                                           modules_to_save=list(adapters.modules_to_save) or None))
     if settings["dtype"] == "bf16":
         model = model.to(torch.bfloat16)
     if settings["checkpointing"]:  # transformers' default: non-reentrant torch.utils.checkpoint of every layer
@@ -302,8 +312,8 @@ def test_llama3_8b_on_8_gpus_of_80gb(tmp_path):
     psi, h, layers, vocab, tokens = LLAMA3_8B_PARAMETERS, 4096, 32, 128256, 4 * 4096
     job = {"world_size": 8, "precision": "bf16", "batch_size": 4, "seq_length": 4096,
            "device_memory": parse_bytes("80GB")}
-    assert plan(size, **job).cheapest_fitting() is None
-    result = plan(size, **job, gradient_checkpointing=True)
+    assert plan(size, **job, chunked_loss=False).cheapest_fitting() is None
+    result = plan(size, **job, gradient_checkpointing=True, chunked_loss=False)
     rows = {e.backend: e for e in result.estimates}
     # Each layer keeps its bf16 input; the final RMSNorm its fp32 input, 1/rms and bf16 output (lm_head's input); the
     # token ids; the loss log-softmax's fp32 output and its backward's two fp32 gradients, and the targets.
@@ -314,10 +324,16 @@ def test_llama3_8b_on_8_gpus_of_80gb(tmp_path):
     assert rows["zero3"].model_states == 16 * psi / 8 + 2 * (2 * layers + 1) * h  # the RMSNorm weights stay whole
     assert 42 * GIB < rows["zero3"].device_total < 43 * GIB and rows["zero3"].fits and rows["fsdp"].fits
     assert result.cheapest_fitting().backend == "zero1"  # 69 GiB: ZeRO-1 fits an 80 GB device too
-    assert plan(size, **{**job, "device_memory": parse_bytes("48GB")},
-                gradient_checkpointing=True).cheapest_fitting().backend == "zero3"
+    assert plan(size, **{**job, "device_memory": parse_bytes("48GB")}, gradient_checkpointing=True,
+                chunked_loss=False).cheapest_fitting().backend == "zero3"
+    # ExtTrainer's chunked loss (the default): per token lm_head's input (bf16) and the target, and one chunk of 261
+    # tokens' bf16 logits, their fp32 copy, log-softmax and two gradients at a time.
+    chunked = plan(size, **job, gradient_checkpointing=True)
+    assert chunked.activation_terms.loss == tokens * (2 * h + 8) + 18 * 261 * vocab  # was tokens · (12V + 8)
+    zero3 = next(e for e in chunked.estimates if e.backend == "zero3")
+    assert 21 * GIB < zero3.device_total < 23 * GIB  # 43 GiB with the whole logits: a recomputed layer is the peak
     adapters = lora_settings(size.decoder, 16, "q_proj,k_proj,v_proj,o_proj")
-    lora_job = plan(size, **{**job, "batch_size": 1}, lora=adapters, gradient_checkpointing=True)
+    lora_job = plan(size, **{**job, "batch_size": 1}, lora=adapters, gradient_checkpointing=True, chunked_loss=False)
     ddp = next(e for e in lora_job.estimates if e.backend == "ddp")
     assert lora_job.trainable_parameters == 13_631_488
     assert ddp.model_states == 2 * psi + 16 * 13_631_488
@@ -347,6 +363,25 @@ def test_lora_model_states_shard_only_what_each_backend_shards():
         assert (e.grads, e.optimizer) == (full[e.backend].grads, full[e.backend].optimizer), e.backend
 
 
+def test_qlora_and_dora_rows():
+    """--load_in_4bit would plan the frozen decoder linears in bf16 (NF4 holds half a byte a weight and an fp32 scale
+    per 64), or DoRA would plan no magnitude vectors and none of the two outputs per adapted module it keeps."""
+    shape = DecoderShape("llama", 4096, 32, 32, 8, 128, 14336, 128256, False)
+    size = ModelSize(sum(shape.parameter_tensors()), "test", decoder=shape)
+    linears = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    job = dict(world_size=1, precision="bf16", batch_size=1, seq_length=1024)
+    plain = next(e for e in plan(size, **job, lora=LoRA(16, DECODER_LINEARS)).estimates if e.backend == "ddp")
+    four_bit = next(e for e in plan(size, **job, lora=LoRA(16, DECODER_LINEARS, quantized=True)).estimates
+                    if e.backend == "ddp")
+    assert plain.params - four_bit.params == linears * (2 - (0.5 + 4 / 64))
+    assert four_bit.activations == plain.activations and four_bit.grads == plain.grads
+    targets = ("q_proj", "v_proj")
+    lora, dora = (decoder_activation_bytes(shape, 1, 1024, 2, lora=LoRA(16, targets, dora=d)) for d in (False, True))
+    assert dora.layers - lora.layers == 32 * 1024 * 2 * 2 * (4096 + 1024)  # base and adapter outputs, bf16
+    assert lora_parameters(shape, LoRA(16, targets, dora=True)) - lora_parameters(shape, LoRA(16, targets)) == \
+        32 * (4096 + 1024)
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--lora_r", "16", "--lora_target_modules", "q_proj,gate"],
      "--lora_target_modules 'q_proj,gate': gate (did you mean gate_proj?) is not a module of a llama layer; "
@@ -354,6 +389,9 @@ def test_lora_model_states_shard_only_what_each_backend_shards():
     (["--lora_r", "0"], "--lora_r 0: the adapters' rank must be a positive integer"),
     (["--lora_r", "8", "--lora_dropout", "1.5"], "--lora_dropout 1.5: a probability from 0"),
     (["--lora_target_modules", "q_proj"], "give their rank too, e.g. --lora_r 16"),
+    (["--load_in_4bit", "--lora_dora"], "--lora_dora, --load_in_4bit are settings of LoRA adapters: give their rank"),
+    (["--lora_r", "8", "--lora_modules_to_save", "norm"], "--lora_modules_to_save 'norm': the planner counts "
+     "embed_tokens and lm_head"),
     (["--lora_r", "8", "BERT"], "--lora_r needs the model's layers: give --model with a config.json of model_type"),
 ])
 def test_lora_flag_errors_are_one_line_naming_the_flag(tmp_path, capsys, argv, expected):
@@ -406,6 +444,7 @@ def measured_runs(request):
         commands[name] = ([*start, TINY_LLM, "--output_dir", folder, "--report_dir", folder / "report",
                            "--packed_length", PACKED_LENGTH, "--per_device_train_batch_size", BATCH, "--max_steps", 2,
                            "--do_train", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+                           "--chunked_loss", "false",  # the full loss's 12V, which ActivationCounter sees
                            *(["--lora"] if lora else []), *(["--gradient_checkpointing"] if checkpointing else []),
                            *flags], None)
     return root, run_many(commands, timeout=900)
@@ -430,7 +469,8 @@ def test_prediction_is_within_5_percent_of_what_each_rank_holds(measured_runs, r
     size = model_size(config_file(tmp_path, TINY_LLAMA))
     adapters = lora_settings(size.decoder, 4, "q_proj,v_proj") if lora else None
     predicted = next(e for e in plan(size, ranks, "fp32", batch_size=BATCH, seq_length=PACKED_LENGTH, lora=adapters,
-                                     gradient_checkpointing=checkpointing).estimates if e.backend == backend)
+                                     gradient_checkpointing=checkpointing, chunked_loss=False).estimates
+                     if e.backend == backend)
     trained = lora_parameters(size.decoder, adapters) if lora else size.num_parameters
     for report in reports:
         assert report["num_parameters"] == size.num_parameters + (trained if lora else 0)

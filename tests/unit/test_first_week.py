@@ -37,6 +37,22 @@ def sentences(n, labels=(0, 1)):
 
 # -- --report_to -------------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("value, read", [("non_padding", "non_padding"), ("all", "all"), ("no", "no"),
+                                         ("true", "non_padding"), ("false", "no")])
+def test_tokens_seen_takes_its_words_from_the_command_line(tmp_path, value, read):
+    """--include_num_input_tokens_seen non_padding (or all) was refused at parsing, "Truthy value expected":
+    HfArgumentParser reads a `str | bool` field as a bool. Its words and true/false both parse now."""
+    (args,) = ExtArgumentParser(ExtTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--include_num_input_tokens_seen", value])
+    assert args.include_num_input_tokens_seen == read
+
+
+def test_a_misspelled_tokens_seen_word_is_refused(tmp_path, capsys):
+    """A word transformers does not know counted nothing, saying nothing."""
+    err = parse_error(capsys, tmp_path, "--use_cpu", "true", "--include_num_input_tokens_seen", "nonpadding")
+    assert "--include_num_input_tokens_seen nonpadding: choose non_padding" in err and "did you mean non_padding" in err
+
+
 def test_report_to_names_are_checked_at_parsing(tmp_path, capsys):
     """--report_to tensorbord ended in transformers' ValueError traceback once data and model were loaded, with no
     suggestion; "tensorboard,none" and a v4-style "--report_to tensorboard wandb" too."""

@@ -18,7 +18,7 @@ def fixed_batch(labels=(0, 1, 1, 0, 1)):
 
 
 def trainer_for(tmp_path, model, **kwargs):
-    arg_names = {"class_weights", "label_smoothing_factor", "optim"}
+    arg_names = {"class_weights", "label_smoothing_factor", "optim", "chunked_loss"}
     args = ExtTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
                                 **{k: v for k, v in kwargs.items() if k in arg_names})
     return ExtTrainer(model=model, args=args, **{k: v for k, v in kwargs.items() if k not in arg_names})
@@ -112,7 +112,8 @@ def test_plain_mean_models_are_told_apart_from_token_count_losses(tmp_path):
     gpt = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16, resid_pdrop=0.0,
                                 embd_pdrop=0.0, attn_pdrop=0.0)).train()
     ids = fixed_batch()["input_ids"]
-    trainer, forwards = trainer_for(tmp_path / "lm", gpt), forwards_counted(gpt)
+    # the model's own loss (ExtTrainer's chunked one, the default, reads the count by construction: test_chunked_loss)
+    trainer, forwards = trainer_for(tmp_path / "lm", gpt, chunked_loss=False), forwards_counted(gpt)
     loss = trainer.compute_loss(gpt, {"input_ids": ids, "labels": ids}, num_items_in_batch=torch.tensor(7))
     assert trainer._model_uses_num_items is True and trainer.model_accepts_loss_kwargs is True
     assert len(forwards) == 1 and trainer.loss_is_scaled_for_ga is None

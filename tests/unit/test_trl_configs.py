@@ -24,11 +24,10 @@ def trl_configs():
 def combined(config):
     from trainer_ext import ExtTrainingArguments
 
-    if config.__name__ == "SFTConfig":
-        from trainer_ext.trl import ExtSFTConfig
+    import trainer_ext.trl
 
-        return ExtSFTConfig
-    return dataclasses.dataclass(type(f"Ext{config.__name__}", (ExtTrainingArguments, config), {}))
+    shipped = getattr(trainer_ext.trl, f"Ext{config.__name__}", None)  # ExtSFTConfig, ExtDPOConfig
+    return shipped or dataclasses.dataclass(type(f"Ext{config.__name__}", (ExtTrainingArguments, config), {}))
 
 
 def default(field):
@@ -107,3 +106,51 @@ def test_trls_bf16_default_reaches_the_deepspeed_config(tmp_path):
         args = ExtSFTConfig(output_dir=str(tmp_path), use_cpu=True, deepspeed="zero2_minimal")
     config = args.deepspeed_resolution.config
     assert (args.bf16, config["bf16"]["enabled"], config["fp16"]["enabled"]) == (True, True, False)
+
+
+def test_a_combined_class_without_dataclass_is_refused_naming_the_decorator(tmp_path):
+    """`class MyArgs(ExtTrainingArguments, DPOConfig): pass` has ExtTrainingArguments' constructor, which never sets
+    DPOConfig's fields: DPOConfig's own check failed with `AttributeError: ... no attribute 'loss_type'` (the stack
+    notes' "ExtTrainer + DPOTrainer fails at construction"). One line naming the decorator instead."""
+    from trl import DPOConfig
+
+    from trainer_ext import ExtTrainingArguments
+    from trainer_ext.errors import ArgumentsError
+
+    class MyArgs(ExtTrainingArguments, DPOConfig):
+        pass
+
+    with pytest.raises(ArgumentsError, match=r"MyArgs combines ExtTrainingArguments with DPOConfig but is not a "
+                                             r"dataclass itself, .* put @dataclass"):
+        MyArgs(output_dir=str(tmp_path), use_cpu=True)
+
+
+def test_ext_dpo_trainer_takes_dpo_trainers_arguments_in_its_order(tmp_path):
+    """ExtTrainer passed its arguments on positionally, and DPOTrainer's second parameter is ref_model: it took our
+    arguments for the reference model and built a DPOConfig of its own. Positionally and by name, ExtDPOTrainer now
+    trains with the arguments given and the reference given."""
+    import datasets
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    from trainer_ext.trl import ExtDPOConfig, ExtDPOTrainer
+
+    core = Tokenizer(WordLevel({"<pad>": 0, "<eos>": 1, "a": 2, "b": 3, "c": 4}, unk_token="<pad>"))
+    core.pre_tokenizer = WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+    config = LlamaConfig(vocab_size=5, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=16, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model, reference = LlamaForCausalLM(config), LlamaForCausalLM(config)
+    pairs = datasets.Dataset.from_list([{"prompt": "a ", "chosen": "b <eos>", "rejected": "c <eos>"}] * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = ExtDPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", beta=0.25)
+        positional = ExtDPOTrainer(model, reference, args, None, pairs, processing_class=tokenizer)
+        named = ExtDPOTrainer(model=model, ref_model=reference, args=args, train_dataset=pairs,
+                              processing_class=tokenizer)
+    for trainer in (positional, named):
+        assert trainer.args is args and trainer.beta == 0.25 and trainer.ref_model is reference

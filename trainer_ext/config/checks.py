@@ -255,6 +255,9 @@ def hub_problems(args) -> list[str]:
             "in --output_dir; push it later with huggingface-cli upload), or unset HF_HUB_OFFLINE"]
 
 
+TOKENS_SEEN = ("non_padding", "all", "no")  # --include_num_input_tokens_seen's words (or true / false)
+
+
 def flag_problems(args) -> list[str]:
     """Every check of the flags that does not depend on this machine, one line per problem, each backend's own among
     them (Backend.owned_flag_problems). Reads `args` only: what the text flags stand for is read_text_flags'."""
@@ -285,6 +288,11 @@ def flag_problems(args) -> list[str]:
                         "--seed/--data_seed each epoch, resumed exactly), which this option would not change: drop it")
     checked(parse_class_weights, args.class_weights)
     checked(parse_storage_options, args.checkpoint_storage_options)
+    tokens_seen = args.include_num_input_tokens_seen
+    if not isinstance(tokens_seen, bool) and tokens_seen not in TOKENS_SEEN:  # transformers counted none, silently
+        problems.append(f"--include_num_input_tokens_seen {tokens_seen}: choose non_padding (the samples' own tokens), "
+                        "all (padding too) or no" + (f" (did you mean {hint}?)" if (hint := closest(
+                            str(tokens_seen), TOKENS_SEEN)) else ""))
     return problems + report_to_problems(args) + selection_problems(args) + value_problems(args)
 
 

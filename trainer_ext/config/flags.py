@@ -89,6 +89,12 @@ class ExtTrainingArguments(TrainingArguments):
                                          "continue, the optimizer state starts anew, the schedule continues at its "
                                          "step. Refused without it."}
     )
+    chunked_loss: bool = field(
+        default=True, metadata={"help": "Causal LMs: take the cross-entropy through lm_head a chunk of tokens at a "
+                                        "time, never building the whole logits (12 bytes a token and vocabulary "
+                                        "entry); false for a model whose forward must build them (soft-capped "
+                                        "logits: refused at the first step with this flag named)."}
+    )
     checkpoint_dir: str | None = field(
         default=None, metadata={"help": "Write checkpoints here and resume from here (default: output_dir; in a "
                                         "SageMaker job, the folder synced with checkpoint_s3_uri)."}
@@ -129,6 +135,8 @@ class ExtTrainingArguments(TrainingArguments):
     def __new__(cls, *args, **kwargs):
         # __new__, not __init__: it sees the constructor's arguments in every dataclass subclass too (each generates
         # its own __init__), before __post_init__ resolves the DeepSpeed file against the flags.
+        if unreached := unreached_fields(cls):
+            raise ArgumentsError(unreached)
         self = super().__new__(cls)
         write(self, {"flags_given": fields_given(cls, args, kwargs)})  # deepspeed_config.flag_given reads it
         return self
@@ -209,12 +217,50 @@ class ExtTrainingArguments(TrainingArguments):
                                           "folder, or auto for the newest complete one in --output_dir)")
 
 
+def word_or_bool(text: str):
+    """A `str | bool` flag's value: true/false (and argparse's other spellings of them) as booleans, other words as
+    they are (the field's own check reads them)."""
+    from transformers.hf_argparser import string_to_bool
+
+    try:
+        return string_to_bool(text)
+    except Exception:  # noqa: BLE001 - argparse's ArgumentTypeError: not a boolean word
+        return text
+
+
+def unreached_fields(cls) -> str | None:
+    """A subclass combining ExtTrainingArguments with another arguments dataclass (TRL's DPOConfig) without being a
+    dataclass itself: its constructor is ExtTrainingArguments', which never sets the other class's fields, and their
+    first use failed far from the cause (DPOConfig: `AttributeError: ... no attribute 'loss_type'`)."""
+    ours = cls.__dataclass_fields__
+    missing = {base.__name__: [name for name in base.__dataclass_fields__ if name not in ours]
+               for base in cls.__mro__[1:] if "__dataclass_fields__" in base.__dict__}
+    missing = {name: fields for name, fields in missing.items() if fields}
+    if not missing:
+        return None
+    owner, fields = next(iter(missing.items()))
+    shown = ", ".join(fields[:3]) + (", ..." if len(fields) > 3 else "")
+    return (f"{cls.__name__} combines ExtTrainingArguments with {owner} but is not a dataclass itself, so {owner}'s "
+            f"fields ({shown}) are never set: put @dataclass (from dataclasses) above `class {cls.__name__}`")
+
+
 class ExtArgumentParser(CommandParser, HfArgumentParser):
     """HfArgumentParser that reports bad flags as `error: ...` with exit status 2, before any work starts (as every
     trainer-ext command: CommandParser): misspelled flags get the closest valid one, invalid combinations name the
     option. Abbreviated flags are refused: argparse would silently read a typo like --learning_rat as
     --learning_rate. It records the flags the command line names (`flags_given`), so a flag typed at its default still
     beats a DeepSpeed file."""
+
+    def __init__(self, dataclass_types, **kwargs):
+        super().__init__(dataclass_types, **kwargs)
+        # HfArgumentParser reads a `str | bool` field as a bool: --include_num_input_tokens_seen non_padding (or all)
+        # was refused at parsing ("Truthy value expected"). Such a field takes its words and true/false alike.
+        words_or_bool = {field.name for cls in (dataclass_types if isinstance(dataclass_types, (list, tuple))
+                                                else [dataclass_types])
+                         for field in dataclasses.fields(cls) if typing.get_type_hints(cls).get(field.name) == str | bool}
+        for action in self._actions:
+            if action.dest in words_or_bool:
+                action.type = word_or_bool
 
     def check_unknown(self, argv) -> None:
         messages = self.unrecognized(argv)

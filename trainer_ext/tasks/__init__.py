@@ -6,6 +6,8 @@ TASKS = {
     "qa": "trainer_ext.tasks.qa",
     "translation": "trainer_ext.tasks.translation",
     "causal_lm": "trainer_ext.tasks.causal_lm",
+    "dpo": "trainer_ext.tasks.dpo",
 }
-# Tasks whose recipe needs more than ExtTrainingArguments (generation settings).
-TRAINING_ARGUMENTS = {"translation": ("trainer_ext.seq2seq", "ExtSeq2SeqTrainingArguments")}
+# Tasks whose recipe needs more than ExtTrainingArguments (generation settings, DPOConfig's fields).
+TRAINING_ARGUMENTS = {"translation": ("trainer_ext.seq2seq", "ExtSeq2SeqTrainingArguments"),
+                      "dpo": ("trainer_ext.trl", "ExtDPOConfig")}

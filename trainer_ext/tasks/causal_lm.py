@@ -17,11 +17,11 @@ from ..errors import ArgumentsError, MissingLibraryError
 from ..integrations import internals
 from .common import REPO
 from .common import ModelArguments as CommonModelArguments
-from .common import check_sample_limits, nearby, with_channels
+from .common import (check_data_files, check_sample_limits, nearby, train_and_validation_files,
+                     with_channels)
 
 SHIPPED_DATA = REPO / "data" / "causal_lm"
 EVAL_METRICS = ("loss", "token_accuracy")  # evaluation also reports perplexity (exp of the loss), after it
-SPLITS = ("train", "validation")
 TINY_LLAMA = "tiny-llama-bytes-v1"  # the default model's cache folder name: change it whenever the model changes
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -47,17 +47,30 @@ class ModelArguments(CommonModelArguments):
     lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the adapters' input (default 0)."})
     lora_target_modules: str | None = field(default=None, metadata={
         "help": "Comma-separated module names (q_proj,v_proj) or all-linear; default: peft's for the model family."})
+    lora_dora: bool = field(default=False, metadata={"aliases": ["--use_dora"], "help": (
+        "Weight-decomposed adapters (DoRA: peft's use_dora): a trained magnitude per output feature.")})
+    lora_rslora: bool = field(default=False, metadata={"aliases": ["--use_rslora"], "help": (
+        "Rank-stabilised scaling, lora_alpha / sqrt(r) instead of lora_alpha / r (peft's use_rslora).")})
+    lora_modules_to_save: str | None = field(default=None, metadata={"help": (
+        "Comma-separated modules trained whole and saved with the adapter, e.g. embed_tokens,lm_head (needed when the "
+        "tokenizer has tokens the model lacks: their embeddings must train).")})
+    load_in_4bit: bool = field(default=False, metadata={"help": (
+        "QLoRA: the frozen base quantized to 4-bit NF4 by bitsandbytes as it loads (with --lora_r).")})
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.lora_target_modules, (list, tuple)):  # an experiment file's YAML list
-            self.lora_target_modules = ",".join(map(str, self.lora_target_modules))
-        lora = ("lora_alpha", "lora_target_modules") if self.lora_r is None else ()
-        given = [f"--{name}" for name in lora if getattr(self, name) is not None] + (
-            ["--lora_dropout"] if self.lora_r is None and self.lora_dropout else [])
+        for name in ("lora_target_modules", "lora_modules_to_save"):  # an experiment file's YAML list
+            if isinstance(getattr(self, name), (list, tuple)):
+                setattr(self, name, ",".join(map(str, getattr(self, name))))
+        lora = ("lora_alpha", "lora_target_modules", "lora_modules_to_save") if self.lora_r is None else ()
+        given = [f"--{name}" for name in lora if getattr(self, name) is not None] + [
+            f"--{name}" for name in ("lora_dropout", "lora_dora", "lora_rslora", "load_in_4bit")
+            if self.lora_r is None and getattr(self, name)]
         if given:
-            raise ArgumentsError(f"{', '.join(given)} describe LoRA adapters, and --lora_r is not given: add --lora_r "
-                                 "(e.g. 16) to train adapters, or drop them for a full fine-tune")
+            what = "is a setting" if len(given) == 1 else "are settings"
+            raise ArgumentsError(f"{', '.join(given)} {what} of LoRA adapters, which train only with --lora_r: add "
+                                 "--lora_r (e.g. 16) to train adapters, or drop "
+                                 f"{'it' if len(given) == 1 else 'them'} for a full fine-tune")
         if self.lora_r is not None and self.lora_r < 1:
             raise ArgumentsError(f"--lora_r {self.lora_r}: the adapters' rank must be a positive integer, e.g. 16")
         if not 0 <= self.lora_dropout < 1:
@@ -68,6 +81,9 @@ class ModelArguments(CommonModelArguments):
             if find_spec("peft") is None:
                 raise MissingLibraryError("--lora_r needs peft, which is not installed: pip install \"trainer_ext[llm]\" "
                                           "(or pip install peft)")
+            if self.load_in_4bit and find_spec("bitsandbytes") is None:
+                raise MissingLibraryError("--load_in_4bit needs bitsandbytes, which is not installed: pip install "
+                                          "\"trainer_ext[llm]\" (or pip install bitsandbytes)")
 
 
 @dataclass
@@ -115,13 +131,7 @@ class DataArguments:
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ArgumentsError(f"--chat_template {self.chat_template}: no such file{nearby(self.chat_template)} "
                                  "(give a Jinja template file)")
-        folders = [f"--{split}_file {path}" for split, path in self.given().items() if path and Path(path).is_dir()]
-        if folders:
-            raise ArgumentsError(f"{', '.join(folders)}: a folder, not a file (give the JSON lines file itself)")
-        missing = [f"--{split}_file {path}{nearby(path)}" for split, path in self.given().items()
-                   if path and not Path(path).is_file()]
-        if missing:
-            raise ArgumentsError(f"no such data file: {', '.join(missing)}")
+        check_data_files(self.given())
         if self.preprocessing_num_workers is not None and self.preprocessing_num_workers < 1:
             raise ArgumentsError(f"--preprocessing_num_workers {self.preprocessing_num_workers}: give a number of "
                                  "processes (1 or more), or leave it out to tokenize in this one")
@@ -137,18 +147,7 @@ class DataArguments:
 
     def files(self, training_args) -> dict[str, str]:
         """The files this run reads: the user's, or all shipped ones when none is given."""
-        from .common import check_needed_splits, needed_splits, shipped_data_note
-
-        given = {split: path for split, path in self.given().items() if path}
-        needed = needed_splits(self, training_args)
-        if not given:
-            shipped_data_note(SHIPPED_DATA)
-            return {split: str(SHIPPED_DATA / f"{split}.jsonl") for split in SPLITS if needed[split]}
-        check_needed_splits({split: flag for split, flag in needed.items() if split in SPLITS}, given)
-        if needed.get("test"):
-            raise ArgumentsError("--do_predict: this recipe evaluates the validation set (--do_eval); drop "
-                                 "--do_predict")
-        return {split: path for split, path in given.items() if needed[split]}
+        return train_and_validation_files(self, training_args, SHIPPED_DATA)
 
 
 # -- the default model ----------------------------------------------------------------------------------------------
@@ -250,6 +249,138 @@ def lora_targets(model_args: ModelArguments, skeleton) -> list[str] | str:
                              f"{', '.join(hints) or 'named'}; its linear layers are {', '.join(leaves)} (or give "
                              "all-linear)")
     return wanted
+
+
+def adapter_modules(model_args: ModelArguments, model) -> tuple:
+    """--lora_target_modules and --lora_modules_to_save checked against the model's modules (its skeleton before the
+    weights load): (target modules, modules to save), both None for a full fine-tune."""
+    if not model_args.lora_r:
+        return None, None
+    return lora_targets(model_args, model), modules_to_save(model_args, model)
+
+
+def modules_to_save(model_args: ModelArguments, skeleton) -> list[str] | None:
+    """--lora_modules_to_save checked against the model's modules (peft matches a name or its last dotted parts)."""
+    from ..errors import closest
+
+    if not model_args.lora_modules_to_save:
+        return None
+    wanted = [name.strip() for name in model_args.lora_modules_to_save.split(",") if name.strip()]
+    names = {name for name, _ in skeleton.named_modules() if name}
+    leaves = sorted({name.rsplit(".", 1)[-1] for name in names})
+    unknown = [want for want in wanted if not any(name == want or name.endswith("." + want) for name in names)]
+    if unknown or not wanted:
+        hints = [f"{want} (did you mean {closest(want, leaves)}?)" if closest(want, leaves) else want
+                 for want in unknown]
+        raise ArgumentsError(f"--lora_modules_to_save {model_args.lora_modules_to_save}: {type(skeleton).__name__} "
+                             f"has no module {', '.join(hints) or 'named'} (e.g. embed_tokens,lm_head)")
+    return wanted
+
+
+def evaluates(data_args, training_args) -> bool:
+    """Whether the command evaluates (before, during or after training)."""
+    return bool(training_args.do_eval or getattr(data_args, "evaluate_before_training", False)
+                or str(getattr(training_args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"))
+
+
+def check_model_flags(model_path: str, model_args: ModelArguments, training_args, evaluating: bool) -> None:
+    """What the model flags cannot do here, before anything loads: a LoRA adapter folder as the model (transformers
+    loads one into its base itself only with peft >= 0.22, unreleased), 4-bit weights evaluated on CPU."""
+    if (Path(model_path) / "adapter_config.json").is_file():
+        raise ArgumentsError(f"--model_name_or_path {model_path} holds a LoRA adapter, not a model: transformers "
+                             "loads an adapter into its base model itself only with peft >= 0.22 (not released); "
+                             f"fold it into its base first (trainer-ext merge {model_path} --output_dir "
+                             f"{Path(model_path).name}-merged) and give that folder")
+    if model_args.load_in_4bit and evaluating and training_args.device.type == "cpu":
+        raise ArgumentsError("--load_in_4bit on CPU with an evaluation: bitsandbytes 0.50 repacks 4-bit weights for "
+                             "CPU inference at the first evaluation, and training after it no longer learns "
+                             "(measured: the loss stops moving); train without --do_eval/--eval_strategy/"
+                             "--evaluate_before_training and evaluate the adapter without --load_in_4bit, or train "
+                             "on a CUDA GPU")
+
+
+def quantization(model_args: ModelArguments, training_args):
+    """--load_in_4bit: bitsandbytes' NF4 for the frozen base as it loads, computing in the training's dtype; None
+    without it."""
+    if not model_args.load_in_4bit:
+        return None
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    compute = torch.bfloat16 if training_args.bf16 else torch.float16 if training_args.fp16 else torch.float32
+    # The packed 4-bit values stored in the compute dtype: ZeRO-3 and FSDP shard them with the model's other tensors.
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute,
+                              bnb_4bit_quant_storage=compute)
+
+
+def load_model(model_path: str, config, model_args: ModelArguments, training_args):
+    """The model's weights as the flags say: fp32 for a full fine-tune (the master weights), a frozen LoRA base in
+    the compute dtype, 4-bit under --load_in_4bit; partitioned as they load where the backend does (ZeRO-3, FSDP2's
+    partitioned loading)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..environment.prepare import sharded_loading
+    from .common import reading
+
+    dtype = model_args.model_kwargs.get("dtype", model_args.model_kwargs.get("torch_dtype"))
+    if dtype is None:  # full fine-tunes keep fp32 master weights; a frozen LoRA base can sit in the compute dtype
+        dtype = ("bfloat16" if model_args.lora_r and training_args.bf16 else
+                 "float16" if model_args.lora_r and training_args.fp16 else "float32")
+    kwargs = {**{k: v for k, v in model_args.model_kwargs.items() if k != "torch_dtype"}, "dtype": dtype}
+    if model_args.load_in_4bit:  # quantized as it loads, on this rank's device (ZeRO-3 places it itself)
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        kwargs["quantization_config"] = quantization(model_args, training_args)
+        if not is_deepspeed_zero3_enabled():
+            kwargs["device_map"] = {"": training_args.device}
+    with sharded_loading(training_args), reading("--model_name_or_path", model_path, "model"):
+        return AutoModelForCausalLM.from_pretrained(model_path, config=config, **kwargs)
+
+
+def lora_config(model_args: ModelArguments, targets, saved):
+    """peft's LoraConfig as the LoRA flags say (None without --lora_r)."""
+    if not model_args.lora_r:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha or 2 * model_args.lora_r,
+                      lora_dropout=model_args.lora_dropout, target_modules=targets, task_type="CAUSAL_LM",
+                      use_dora=model_args.lora_dora, use_rslora=model_args.lora_rslora, modules_to_save=saved)
+
+
+def adapted(model, tokenizer, model_args: ModelArguments, training_args, targets, saved):
+    """The loaded model grown to the tokenizer (fit_vocabulary) and, with --lora_r, wrapped in LoRA adapters (peft)
+    as the LoRA flags say, the base frozen."""
+    fit_vocabulary(model, tokenizer, model_args, saved)
+    if not model_args.lora_r:
+        return model
+    from peft import get_peft_model
+
+    model = get_peft_model(model, lora_config(model_args, targets, saved))
+    if training_args.gradient_checkpointing:
+        model.enable_input_require_grads()  # the frozen embeddings' output must carry gradients through
+    return model
+
+
+def fit_vocabulary(model, tokenizer, model_args: ModelArguments, saved: list[str] | None) -> None:
+    """A tokenizer with tokens the model's embeddings lack (added tokens): the embeddings grow to it (the new rows the
+    mean of the others, transformers' resize), said once. Under LoRA the new rows would never train unless the
+    embeddings and the output layer are trained whole: refused without --lora_modules_to_save naming both."""
+    from .data_checks import say_once
+
+    rows, wanted = model.get_input_embeddings().num_embeddings, len(tokenizer)
+    if wanted <= rows:
+        return
+    layers = [model.get_input_embeddings(), model.get_output_embeddings()]
+    names = [next(name.rsplit(".", 1)[-1] for name, found in model.named_modules() if found is layer)
+             for layer in layers if layer is not None]
+    if model_args.lora_r and not set(names) <= set(saved or ()):
+        raise ArgumentsError(f"the tokenizer has {wanted - rows} tokens the model's {rows} embeddings lack (added "
+                             "tokens): under LoRA their embeddings would never train; add --lora_modules_to_save "
+                             f"{','.join(names)} (they then train whole and are saved with the adapter)")
+    model.resize_token_embeddings(wanted)
+    say_once(f"the tokenizer has {wanted - rows} tokens the model's embeddings lack: the embeddings grew from {rows} "
+             f"to {wanted} rows (the output layer too), the new ones starting at the mean of the others")
 
 
 def check_packing(data_args: DataArguments, training_args, config, model_class, asked: str | None = None) -> bool:
@@ -413,14 +544,14 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     """Fine-tune and/or evaluate a causal LM with ExtTrainer; returns the metrics. Writes {train,eval,eval_before}_
     results.json; the output holds the model (or with LoRA the adapter; `trainer-ext merge` folds it into full
     weights)."""
-    from transformers import AutoModelForCausalLM, set_seed
+    from transformers import set_seed
 
     from ..data.packing import CausalLMCollator
-    from ..environment.prepare import prepare_process, sharded_loading
+    from ..environment.prepare import prepare_process
     from ..trainer import ExtTrainer
     from .chat_data import ChatFile
     from .common import (check_best_metric, check_output_dir, check_sequence_length, check_something_to_do,
-                         load_tokenizer, reading, train_and_save)
+                         evaluate_and_train, load_tokenizer)
     from .data_checks import say_once
 
     check_output_dir(training_args, model_args.model_name_or_path)
@@ -432,10 +563,11 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     sources = {split: ChatFile(path, columns) for split, path in files.items()}  # each file's format, its first row
     check_formats(sources, data_args, training_args)
     model_path = model_args.model_name_or_path or default_model()
+    check_model_flags(model_path, model_args, training_args, evaluates(data_args, training_args))
     config = load_model_config(model_path, model_args)
     skeleton = skeleton_of(config)
     if skeleton is not None:
-        targets = lora_targets(model_args, skeleton) if model_args.lora_r else None
+        targets, saved = adapter_modules(model_args, skeleton)
         flatten = check_packing(data_args, training_args, config, type(skeleton), model_args.attn_implementation)
     tokenizer = load_tokenizer(model_path, model_args)
     check_tokenizer(tokenizer, "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path")
@@ -445,24 +577,11 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     train = splits["train"].dataset if "train" in splits else None
 
     set_seed(training_args.seed)
-    dtype = model_args.model_kwargs.get("dtype", model_args.model_kwargs.get("torch_dtype"))
-    if dtype is None:  # full fine-tunes keep fp32 master weights; a frozen LoRA base can sit in the compute dtype
-        dtype = ("bfloat16" if model_args.lora_r and training_args.bf16 else
-                 "float16" if model_args.lora_r and training_args.fp16 else "float32")
-    kwargs = {**{k: v for k, v in model_args.model_kwargs.items() if k != "torch_dtype"}, "dtype": dtype}
-    with sharded_loading(training_args), reading("--model_name_or_path", model_path, "model"):
-        model = AutoModelForCausalLM.from_pretrained(model_path, config=config, **kwargs)
+    model = load_model(model_path, config, model_args, training_args)
     if skeleton is None:  # the checks on the model itself (its own code, which transformers does not list)
-        targets = lora_targets(model_args, model) if model_args.lora_r else None
+        targets, saved = adapter_modules(model_args, model)
         flatten = check_packing(data_args, training_args, model.config, type(model), model_args.attn_implementation)
-    if model_args.lora_r:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha or 2 * model_args.lora_r,
-                          lora_dropout=model_args.lora_dropout, target_modules=targets, task_type="CAUSAL_LM")
-        model = get_peft_model(model, lora)
-        if training_args.gradient_checkpointing:
-            model.enable_input_require_grads()  # the frozen embeddings' output must carry gradients through
+    model = adapted(model, tokenizer, model_args, training_args, targets, saved)
     compile_length = (data_args.max_seq_length if training_args.torch_compile and not data_args.pad_to_multiple_of
                       else None)
     if compile_length and not data_args.packing:
@@ -475,21 +594,10 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     trainer = ExtTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
                          processing_class=tokenizer, data_collator=collator, compute_metrics=token_accuracy,
                          preprocess_logits_for_metrics=predicted_tokens)
-    results = {}
 
-    def evaluate(prefix):
-        metrics = trainer.evaluate(metric_key_prefix=prefix)
+    def perplexity(prefix, metrics):
         loss = metrics.get(f"{prefix}_loss")
-        if loss is not None:
-            metrics[f"{prefix}_perplexity"] = math.exp(loss) if loss < 700 else float("inf")
-        trainer.log_metrics(prefix, metrics)
-        trainer.save_metrics(prefix, metrics)
-        results.update(metrics)
+        return {} if loss is None else {f"{prefix}_perplexity": math.exp(loss) if loss < 700 else float("inf")}
 
-    if data_args.evaluate_before_training:
-        evaluate("eval_before")
-    if training_args.do_train:
-        results.update(train_and_save(trainer, training_args, splits["train"].samples))
-    if training_args.do_eval:
-        evaluate("eval")
-    return results
+    return evaluate_and_train(trainer, training_args, data_args, splits["train"].samples if "train" in splits else 0,
+                              perplexity)

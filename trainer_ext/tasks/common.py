@@ -251,6 +251,28 @@ def say_model_saved(training_args) -> None:
         print(f"model saved to {output}", flush=True)
 
 
+def evaluate_and_train(trainer, training_args, data_args, train_samples: int, more_metrics=None) -> dict:
+    """A recipe's steps once its trainer exists: evaluate first (--evaluate_before_training), train and save
+    (--do_train), evaluate (--do_eval); each evaluation's metrics (plus `more_metrics(prefix, metrics)`'s) logged and
+    written as <prefix>_results.json. Returns every metric."""
+    results = {}
+
+    def evaluate(prefix):
+        metrics = trainer.evaluate(metric_key_prefix=prefix)
+        metrics.update(more_metrics(prefix, metrics) if more_metrics else {})
+        trainer.log_metrics(prefix, metrics)
+        trainer.save_metrics(prefix, metrics)
+        results.update(metrics)
+
+    if getattr(data_args, "evaluate_before_training", False):
+        evaluate("eval_before")
+    if training_args.do_train:
+        results.update(train_and_save(trainer, training_args, train_samples))
+    if training_args.do_eval:
+        evaluate("eval")
+    return results
+
+
 # -- checks every recipe makes before its model is loaded -----------------------------------------------------------
 def check_something_to_do(training_args, data_args, steps=("do_train", "do_eval", "do_predict")) -> None:
     """A command with none of the task's steps (a v4 habit: the flags were off by default there too) read nothing,
@@ -337,6 +359,31 @@ def check_needed_splits(needed: dict, files: dict[str, str]) -> None:
             given = ", ".join(f"--{name}_file {path}" for name, path in files.items())
             raise ArgumentsError(f"{flag} needs --{split}_file: your data is {given} (the shipped sets are used only "
                                  f"when no data file is given); give --{split}_file, or drop {flag}")
+
+
+def check_data_files(given: dict) -> None:
+    """The data files a recipe's flags name (split -> path or None) exist and are files (seconds, before any load)."""
+    folders = [f"--{split}_file {path}" for split, path in given.items() if path and Path(path).is_dir()]
+    if folders:
+        raise ArgumentsError(f"{', '.join(folders)}: a folder, not a file (give the JSON lines file itself)")
+    missing = [f"--{split}_file {path}{nearby(path)}" for split, path in given.items()
+               if path and not Path(path).is_file()]
+    if missing:
+        raise ArgumentsError(f"no such data file: {', '.join(missing)}")
+
+
+def train_and_validation_files(data_args, training_args, shipped: Path) -> dict[str, str]:
+    """The train/validation JSON lines files this run reads: the user's (each split the command needs, given), or
+    every shipped one it needs when none is given."""
+    given = {split: path for split, path in data_args.given().items() if path}
+    needed = needed_splits(data_args, training_args)
+    if not given:
+        shipped_data_note(shipped)
+        return {split: str(shipped / f"{split}.jsonl") for split in ("train", "validation") if needed[split]}
+    check_needed_splits({split: flag for split, flag in needed.items() if split in ("train", "validation")}, given)
+    if needed.get("test"):
+        raise ArgumentsError("--do_predict: this recipe evaluates the validation set (--do_eval); drop --do_predict")
+    return {split: path for split, path in given.items() if needed[split]}
 
 
 def shipped_data_note(folder: Path) -> None:

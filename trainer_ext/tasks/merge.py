@@ -48,9 +48,12 @@ def merge_adapter(adapter_dir, output_dir, base_model: str | None = None, dtype:
 
     with reading("--base_model" if base_model else f"{config_file.name}'s base_model_name_or_path", base, "model"):
         model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype))
+    tokenizer_source = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_source))
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # the run grew them (--lora_modules_to_save)
+        model.resize_token_embeddings(len(tokenizer))
     merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     output_dir.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(output_dir)
-    tokenizer_source = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
-    AutoTokenizer.from_pretrained(str(tokenizer_source)).save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
     return output_dir
