@@ -23,8 +23,8 @@ from .data.loader import dataloader_with_batch_sampler, stream_dataloader
 from .data.samplers import ResumableBatchSampler, check_global_batch
 from .data.stream import TrainingStream, is_stream
 from .errors import UserError
-from .training.losses import (EvaluationLosses, NumItemsProbe, shifts_labels, sliced, takes_num_items,
-                              token_cross_entropy)
+from .training.losses import (EvaluationLosses, NumItemsProbe, finite_for_logging, shifts_labels, sliced,
+                              takes_num_items, token_cross_entropy)
 from .training.metrics_check import checked_compute_metrics
 from .checkpoints.output_lock import hold_output_dir, release_output_dir
 from .checkpoints.preemption import Preempted, PreemptionCallback
@@ -186,7 +186,10 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             if len(self.class_weights) != logits.size(-1):
                 raise UserError(f"--class_weights has {len(self.class_weights)} values but the model has "
                                  f"{logits.size(-1)} classes")
-            weight = torch.tensor(self.class_weights, dtype=torch.float32, device=logits.device)
+            weight = getattr(self, "_class_weight_tensor", None)
+            if weight is None or weight.device != logits.device:  # once: a copy to the GPU waits for its stream
+                weight = self._class_weight_tensor = torch.tensor(self.class_weights, dtype=torch.float32,
+                                                                  device=logits.device)
         # A weighted mean divides by the weights of its targets, which transformers does not count: per batch.
         normaliser = num_items_in_batch if weight is None else None
         shift = logits.dim() > 2 and shifts_labels(self.backend.unwrap(self.accelerator.unwrap_model(model)))
@@ -315,7 +318,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
     # -- backend hooks ---------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._learning_rate_in_use = self.backend.learning_rate_in_use(self)
-        return super().training_step(model, inputs, num_items_in_batch)
+        return finite_for_logging(self, super().training_step(model, inputs, num_items_in_batch))
 
     def log(self, logs, start_time=None):
         if self._learning_rate_in_use is not None and "learning_rate" in logs:
