@@ -27,8 +27,8 @@ from .data.samplers import ResumableBatchSampler, check_global_batch
 from .data.stream import TrainingStream, is_stream
 from .errors import UserError
 from .training.chunked_loss import ChunkedHead, chunk_tokens, output_head
-from .training.losses import (EvaluationLosses, NumItemsProbe, base_model, shifts_labels, sliced, takes_num_items,
-                              token_cross_entropy, token_labels)
+from .training.losses import (EvaluationLosses, NumItemsProbe, base_model, finite_for_logging, shifts_labels, sliced,
+                              takes_num_items, token_cross_entropy, token_labels)
 from .training.batches import MIXED_PACKED_SAMPLES, mixed_packed_samples
 from .training.metrics_check import checked_compute_metrics
 from .checkpoints.output_lock import hold_output_dir, release_output_dir
@@ -266,7 +266,10 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             if len(self.class_weights) != logits.size(-1):
                 raise UserError(f"--class_weights has {len(self.class_weights)} values but the model has "
                                  f"{logits.size(-1)} classes")
-            weight = torch.tensor(self.class_weights, dtype=torch.float32, device=logits.device)
+            weight = getattr(self, "_class_weight_tensor", None)
+            if weight is None or weight.device != logits.device:  # once: a copy to the GPU waits for its stream
+                weight = self._class_weight_tensor = torch.tensor(self.class_weights, dtype=torch.float32,
+                                                                  device=logits.device)
         # A weighted mean divides by the weights of its targets, which transformers does not count: per batch.
         normaliser = num_items_in_batch if weight is None else None
         shift = logits.dim() > 2 and shifts_labels(self.backend.unwrap(self.accelerator.unwrap_model(model)))
@@ -402,7 +405,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._check_batch("training", inputs)
         self._learning_rate_in_use = self.backend.learning_rate_in_use(self)
-        return super().training_step(model, inputs, num_items_in_batch)
+        return finite_for_logging(self, super().training_step(model, inputs, num_items_in_batch))
 
     def _check_batch(self, kind: str, inputs) -> None:
         """The first batch of training and of evaluation, before the model sees it: one whose samples would attend to

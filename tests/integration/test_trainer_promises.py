@@ -3,7 +3,10 @@ Trainer itself is the oracle where it applies. The same promises on 2 ranks are 
 
 import json
 import logging
+import math
+import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from transformers import (BertConfig, BertForSequenceClassification, Trainer, Tr
 from conftest import run  # a clean environment: an in-process ZeRO test leaves RANK/MASTER_PORT set
 from trainer_ext import ExtTrainer, ExtTrainingArguments
 from trainer_ext.checkpoints.format import CheckpointNotFoundError, damage, publish
+from trainer_ext.checkpoints.preemption import Preempted
 from trainer_ext.errors import UserError
 
 pytestmark = pytest.mark.oldest
@@ -233,6 +237,71 @@ def test_building_and_training_ext_trainer_leaves_the_process_as_it_was(tmp_path
     assert seen["trained"]["excepthook"] == seen["before"]["excepthook"]
     for after in (seen["trained"], seen["again"]):
         assert not [name for name in after["atexit"] if name.startswith("trainer_ext")], after["atexit"]
+
+
+class NonFiniteAtSomeSteps(BertForSequenceClassification):
+    """A classifier whose loss reads NaN at its 3rd training forward and inf at its 6th (a constant added: the
+    gradients stay finite, so only the logged loss meets it)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        outputs = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+        if self.training:
+            self.calls = getattr(self, "calls", 0) + 1
+            outputs.loss = outputs.loss + {3: float("nan"), 6: float("inf")}.get(self.calls, 0.0)
+        return outputs
+
+
+def test_a_non_finite_step_loss_is_filtered_from_the_logged_loss_as_the_stock_trainer_does(tmp_path):
+    """Fails when ExtTrainer's NaN/Inf filter of the logged loss (done on the device, without the stock loop's host
+    read after every micro-batch) logs another loss or train_loss than transformers' own filter: the stock Trainer,
+    same model and steps, is the oracle; with --logging_nan_inf_filter false both log the NaN and the inf."""
+    for nan_filter in (True, False):
+        logged = {}
+        for trainer_cls, args_cls in ((Trainer, TrainingArguments), (ExtTrainer, ExtTrainingArguments)):
+            torch.manual_seed(0)
+            model = NonFiniteAtSomeSteps(tiny_model().config)
+            args = arguments(tmp_path / f"{trainer_cls.__name__}-{nan_filter}", args_cls, logging_steps=2,
+                             max_steps=8, save_strategy="no", logging_nan_inf_filter=nan_filter)
+            trainer = trainer_cls(model=model, args=args, train_dataset=rows())
+            outcome = trainer.train()
+            logged[trainer_cls] = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+            logged[trainer_cls].append(outcome.training_loss)
+        stock, ours = logged[Trainer], logged[ExtTrainer]
+        assert len(ours) == len(stock) == 5
+        assert all(a == b or abs(a - b) < 1e-7 or math.isnan(a) and math.isnan(b) for a, b in zip(ours, stock)), \
+            (ours, stock)
+        assert all(map(math.isfinite, ours)) == nan_filter
+
+
+class SignalOnFirstLoad(torch.utils.data.Dataset):
+    """The training set, whose first sample's loading sends this process SIGTERM (a preemption during start-up)."""
+
+    def __init__(self, rows):
+        self.rows, self.loaded = rows, 0
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        self.loaded += 1
+        if self.loaded == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.rows[index]
+
+
+def test_a_sigterm_before_the_first_optimizer_step_ends_the_run_at_once(tmp_path, caplog):
+    """Fails when a SIGTERM that arrives before anything trained (here while the first batch loads; in the field
+    while DeepSpeed compiled an op) waits for a step and writes a checkpoint of nothing (it came 89 s after the
+    signal), instead of ending at once in one line with exit status 143; or leaves its handler installed."""
+    handler = signal.getsignal(signal.SIGTERM)
+    trainer = ExtTrainer(model=tiny_model(), args=arguments(tmp_path), train_dataset=SignalOnFirstLoad(rows()))
+    with caplog.at_level(logging.WARNING), pytest.raises(Preempted) as stopped:
+        trainer.train()
+    assert stopped.value.code == 143 and stopped.value.checkpoint is None
+    assert trainer.state.global_step == 0 and trainer.train_dataset.loaded == 1
+    assert "received SIGTERM before the first optimizer step: nothing to save, stopping now (exit status 143)" \
+        in caplog.text
+    assert not list(tmp_path.glob("checkpoint-*")) and signal.getsignal(signal.SIGTERM) is handler
 
 
 @pytest.mark.launch

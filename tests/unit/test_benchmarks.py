@@ -131,3 +131,30 @@ def test_causal_lm_row_packs_samples_apart_and_counts_their_attention_flops():
     args = SimpleNamespace(clm_model_config="llama-1b", clm_seq_length=2048)
     batch, checkpointing, _ = gpu.causal_lm_batch(args, 80e9)
     assert (batch, checkpointing) == (10, False)
+
+
+def test_step_overhead_counts_cuda_syncs_inside_the_counted_steps_only():
+    """Fails when benchmarks/step_overhead.py's CUDA column (cudaStreamSynchronize per step that neither logs nor
+    saves: what a GPU run reports) counts a sync outside the counted steps' profiler ranges (a logging step's reads,
+    a window opened and then dropped), or is not written per step; synthetic profiler events, no GPU needed."""
+    spec = importlib.util.spec_from_file_location("step_overhead", REPO / "benchmarks" / "step_overhead.py")
+    step_overhead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_overhead)
+
+    def event(name, start, end=None):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end or start + 1))
+
+    marker = step_overhead.MARKER
+    events = [event(f"{marker} 4", 100, 200), event(f"{marker} 5", 200, 300), event(f"{marker} 7", 400, 500),
+              event("cudaStreamSynchronize", 150), event("cudaStreamSynchronize", 250),  # 250: step 5, dropped
+              event("cudaStreamSynchronize", 350), event("cudaEventSynchronize", 450), event("cudaLaunchKernel", 120)]
+    waits = step_overhead.cuda_syncs_in_windows(SimpleNamespace(events=lambda: events), steps=[4, 7])
+    assert waits == {"cudaStreamSynchronize": 1, "cudaEventSynchronize": 1}
+    counted = {"steps": [4, 7], "per_step": [["sync", "_local_scalar_dense", "transformers/trainer.py", 2.0]],
+               "cuda_per_step": {name: n / 2 for name, n in waits.items()}, "cuda": True}
+    report = {"device": "cuda", "seconds_per_step": {"stock": [0.010], "ext": [0.0101]},
+              "counts": {"stock": counted, "ext": {**counted, "cuda_per_step": {}}}}
+    text = step_overhead.write_results({1: report}, SimpleNamespace(steps=200, repeats=1, ranks=[1]))
+    assert "| 1 | stock | 2.0 | 0.0 | 2.0 | 0.0 | 0.0 | 0.0 | 0.5 |" in text
+    assert "| 1 | ext | 2.0 | 0.0 | 2.0 | 0.0 | 0.0 | 0.0 | 0.0 |" in text
+    assert "**1.010**" in text

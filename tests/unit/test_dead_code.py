@@ -68,7 +68,8 @@ def unreached_functions() -> list[tuple[str, str]]:
                 reached.add((module, node.name))
                 pending |= used_names([node]) - {n for _, n in reached}
     return sorted((module, name) for name, found in definitions.items() for module, node in found
-                  if not isinstance(node, ast.ClassDef) and not dunder(name) and (module, name) not in reached | EXEMPT | set(DOCUMENTED))
+                  if not isinstance(node, ast.ClassDef) and not dunder(name)
+                  and (module, name) not in reached | EXEMPT | set(DOCUMENTED))
 
 
 def unused_methods() -> list[str]:

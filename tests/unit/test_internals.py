@@ -14,10 +14,10 @@ from conftest import REPO
 from trainer_ext.integrations import internals
 
 DOOR = REPO / "trainer_ext" / "integrations" / "internals.py"
-# Private names other modules may use: trainer_ext's own (ExtTrainer's resume record and training order, the output
-# folder lock's) and the standard library's at the process boundary (argparse's actions, threading's and atexit's exit
-# steps, os._exit; namedtuple's _replace is its public API).
-OURS = {"_resume", "_train_order", "_take", "_held"}
+# Private names other modules may use: trainer_ext's own (ExtTrainer's resume record, training order and class-weight
+# tensor, the output folder lock's) and the standard library's at the process boundary (argparse's actions,
+# threading's and atexit's exit steps, os._exit; namedtuple's _replace is its public API).
+OURS = {"_resume", "_train_order", "_class_weight_tensor", "_take", "_held"}
 STANDARD_LIBRARY = {"_actions", "_shutdown", "_run_exitfuncs", "_exit", "_replace"}
 # Public-named attributes transformers and accelerate set for themselves: written only through the door.
 WRITTEN = {"model_wrapped", "deepspeed", "is_deepspeed_enabled", "scaler", "hf_ds_config", "from_pretrained"}
@@ -111,3 +111,10 @@ def test_every_internal_the_door_uses_exists_in_the_installed_release(owner, nam
     uses = (f".{name}", f'"{name}"')
     assert any(use in source for source in sources for use in uses) or hasattr(cls, name), \
         f"{owner}'s code no longer names {name}"
+
+
+def test_the_training_loop_still_filters_the_step_loss_as_the_door_answers_it():
+    """Fails when transformers' training loop no longer filters the logged loss with the expression the door's
+    filtered step loss answers without a host read (internals.NAN_INF_FILTER): renamed, it would read the device again
+    (two syncs a micro-batch); changed to another test, it could take the answer for a tensor."""
+    assert internals.NAN_INF_FILTER in inspect.getsource(Trainer._run_epoch)

@@ -15,24 +15,40 @@ from trainer_ext.checkpoints.preemption import Preempted, PreemptionCallback, ma
 
 @pytest.fixture
 def ranks(monkeypatch):
-    """This process as one rank of a group whose other ranks hold the values the test puts in `others`."""
+    """This process as one rank of a group whose other ranks hold the signals the test puts in `others` (each
+    proposing to agree again after 1 step): torch.distributed's all-reduce applied to their values, completed when
+    started (the asynchronous work's wait returns at once)."""
     others = []
 
-    def all_reduce(tensor, op):
-        values = torch.stack([tensor, *[torch.tensor([float(v)]) for v in others]])
+    def all_reduce(tensor, op, group=None, async_op=False):
+        rows = [torch.tensor([float(v), -1.0][:len(tensor)], dtype=tensor.dtype) for v in others]
+        values = torch.stack([tensor, *rows])
         reduced = {torch.distributed.ReduceOp.MAX: values.max(0).values, torch.distributed.ReduceOp.SUM: values.sum(0),
                    torch.distributed.ReduceOp.MIN: values.min(0).values}[op]
         tensor.copy_(reduced)
+        return SimpleNamespace(wait=lambda: None) if async_op else None
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1 + len(others))
+    monkeypatch.setattr(torch.distributed, "is_gloo_available", lambda: False)  # the default group: no group built
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
     return others
 
 
-def step_end(callback):
-    control = SimpleNamespace(should_save=False, should_training_stop=False)
-    callback.on_step_end(SimpleNamespace(device="cpu"), None, control)
+ARGS = SimpleNamespace(device="cpu")
+
+
+def step_end(callback, step=1, waits=False):
+    """on_step_end of optimizer step `step`; `waits`: a step that logs (the ranks agree at once there)."""
+    control = SimpleNamespace(should_save=False, should_training_stop=False, should_log=waits, should_evaluate=False)
+    callback.on_step_end(ARGS, SimpleNamespace(global_step=step), control)
     return control.should_save, control.should_training_stop
+
+
+def started(callback):
+    """A callback of a train() call that has begun and taken its first optimizer step."""
+    callback.on_train_begin(ARGS, SimpleNamespace(global_step=0), None)
+    return callback
 
 
 @pytest.mark.parametrize("here,others,stop", [
@@ -42,32 +58,44 @@ def step_end(callback):
     (signal.SIGINT, [signal.SIGTERM, signal.SIGTERM], signal.SIGTERM)])
 def test_every_rank_stops_at_the_step_any_rank_was_signalled(ranks, here, others, stop):
     """A rank that stopped on its own signal alone would save a checkpoint the others never reach (and hang them in
-    their next collective); the decision is the largest signal over every rank."""
+    their next collective); the decision is the largest signal over every rank, at a step that logs at once, and
+    between logging steps at the end of the step after the agreement started (read one step later: never waited on)."""
     ranks.extend(others)
-    callback = PreemptionCallback()
-    callback.received = here
-    assert step_end(callback) == (bool(stop), bool(stop))
-    assert callback.signum == stop
+    at_once = started(PreemptionCallback())
+    at_once.received = here
+    assert step_end(at_once, 1, waits=True) == (bool(stop), bool(stop)) and at_once.signum == stop
+    later = started(PreemptionCallback())
+    later.received = here
+    assert step_end(later, 1) == (False, False)  # the agreement of step 1 started, not read
+    assert step_end(later, 2) == (bool(stop), bool(stop)) and later.signum == stop
     assert max_over_ranks(here, "cpu") == max(here, *others)
 
 
 def test_a_signal_to_this_process_is_recorded_and_the_handlers_put_back(monkeypatch):
     """SIGTERM while training finishes the step (recorded, no exit); a repeat (a launcher forwarding it) changes
-    nothing; uninstall restores the handler the process had; one process stops on its own signal."""
+    nothing; uninstall restores the handler the process had; one process stops on its own signal; before the first
+    optimizer step nothing is saved: the signal ends the run at once."""
     before = signal.getsignal(signal.SIGTERM)
     callback = PreemptionCallback()
     callback.install()
     try:
+        step_end(started(callback), 1)
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)
         assert callback.received == signal.SIGTERM
-        assert step_end(callback) == (True, True) and callback.signum == signal.SIGTERM
+        assert step_end(callback, 2) == (True, True) and callback.signum == signal.SIGTERM
     finally:
         callback.uninstall()
     assert signal.getsignal(signal.SIGTERM) is before
     callback.install()  # a new train() starts unsignalled
-    callback.uninstall()
-    assert callback.received == 0 and step_end(callback) == (False, False)
+    try:
+        assert callback.received == 0
+        with pytest.raises(Preempted) as stopped:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stopped.value.checkpoint is None and stopped.value.code == 143
+    finally:
+        callback.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is before
     assert Preempted(signal.SIGTERM, None).code == 143
 
 
@@ -82,6 +110,7 @@ def test_a_second_ctrl_c_from_a_person_aborts_and_a_forwarded_one_does_not(monke
     monkeypatch.setattr(preemption.time, "monotonic", lambda: clock[0])
     callback = PreemptionCallback()
     callback.install()
+    callback.stepped = True  # past the first optimizer step
     try:
         callback._handle(signal.SIGINT, None)
         clock[0] += preemption.ABORT_AFTER_S  # still within: the launcher's copy

@@ -9,6 +9,7 @@ PrivateTrainerHooks, mixed in before the Trainer."""
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 
@@ -71,6 +72,7 @@ UPSTREAM = (
     ("transformers.Trainer", "_tr_loss", "attribute"),
     ("transformers.Trainer", "_total_loss_scalar", "attribute"),
     ("transformers.Trainer", "_initial_global_step", "attribute"),
+    ("transformers.Trainer", "_globalstep_last_logged", "attribute"),
     ("transformers.Trainer", "_created_lr_scheduler", "attribute"),
     ("transformers.Trainer", "_train_batch_size", "attribute"),
     ("transformers.TrainingArguments", "_setup_devices", "attribute"),
@@ -150,6 +152,44 @@ def loss_sums(trainer):
     if not hasattr(trainer, "_tr_loss"):
         return None
     return trainer._tr_loss, trainer._total_loss_scalar
+
+
+def loss_since_last_log(trainer):
+    """(the training loss summed on the device since the last logging step, the optimizer steps that sum is divided
+    by if this step logs) inside a training loop; None outside one."""
+    if not hasattr(trainer, "_tr_loss"):
+        return None
+    return trainer._tr_loss, 1 + trainer.state.global_step - trainer._globalstep_last_logged
+
+
+# transformers' training loop filters a non-finite step loss out of the logged loss with this host read of the device
+# value after every micro-batch (Trainer._run_epoch, --logging_nan_inf_filter); tests/unit/test_internals.py checks that
+# the installed release still reads it so.
+NAN_INF_FILTER = "torch.isnan(tr_loss_step) or torch.isinf(tr_loss_step)"
+
+
+def filtered_on_device(loss):
+    """A step loss that was made finite on the device (as transformers' filter would have made it), returned to
+    transformers' loop: its NAN_INF_FILTER is answered False without reading the value; every other operation on it
+    sees a plain tensor."""
+    return loss.as_subclass(_filtered_loss_class())
+
+
+@functools.cache
+def _filtered_loss_class():
+    import torch
+
+    checks, plain = (torch.isnan, torch.isinf), torch._C.DisableTorchFunctionSubclass
+
+    class FilteredLoss(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func in checks and len(args) == 1 and not kwargs:
+                return False  # finite by construction: the `or` of NAN_INF_FILTER needs a bool, not a device read
+            with plain():
+                return func(*args, **(kwargs or {}))
+
+    return FilteredLoss
 
 
 def set_wrapped_model(trainer, model) -> None:

@@ -1,6 +1,7 @@
 """Losses that come out the same on any number of ranks: which tokens a model's loss counts, whether a loss is
 normalised by transformers' `num_items_in_batch` (learnt inside the first real training step, with no forward of its
-own), and the evaluation loss of token-level losses weighted by target tokens over the whole evaluation set."""
+own), the evaluation loss of token-level losses weighted by target tokens over the whole evaluation set, and the
+logged training loss kept finite on the device (no host read of a step's loss)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,24 @@ class NumItemsProbe(torch.Tensor):
         cls.read = True
         with internals.torch_function_subclass_disabled():  # the result is a plain tensor: the loss stays one
             return func(*args, **(kwargs or {}))
+
+
+def finite_for_logging(trainer, loss):
+    """transformers' filter of the logged training loss (`--logging_nan_inf_filter`, on by default) done on the device: a
+    non-finite step loss counts as the mean of the losses summed since the last log, as transformers counts it, chosen
+    by torch.where instead of read on the host after every micro-batch (two syncs a step on a GPU). The loss figures
+    reach the host only at a logging step."""
+    running = internals.loss_since_last_log(trainer)
+    if running is None or not trainer.args.logging_nan_inf_filter or not torch.is_tensor(loss):
+        return loss  # outside transformers' loop, or no filter asked for
+    summed, steps = running
+    try:
+        # loss - loss is 0 for a finite loss and NaN for a NaN or an inf, and NaN != NaN: torch.isfinite's answer in
+        # two tensor ops (isfinite is four, a comparison with a Python number wraps it in a tensor first)
+        difference = loss - loss
+        return internals.filtered_on_device(torch.where(difference == difference, loss, summed / steps))
+    except RuntimeError:  # a loss on another device than the accumulator: transformers' loop names that mistake
+        return loss
 
 
 def sliced(inputs, count: int, batch_size: int):
