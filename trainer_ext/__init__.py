@@ -13,7 +13,7 @@ _LAZY = {
     "OptimizerSettings": ".config.optimizer",
     "SchedulerSettings": ".config.optimizer",
     "ExtArgumentParser": ".config.flags",
-    "run_experiment": ".config.experiment_file",
+    "run_experiment": ".experiment",
     "build_deepspeed_config": ".deepspeed_config",
     "resolve_deepspeed_config": ".deepspeed_config",
     "load_deepspeed_config": ".deepspeed_config",
@@ -22,8 +22,8 @@ _LAZY = {
     "exit_process": ".errors",
     "one_line_errors": ".errors",
     "Preempted": ".checkpoints.preemption",
-    "sharded_loading": ".environment.prepare",
-    "prepare_process": ".environment.prepare",
+    "sharded_loading": ".training.prepare",
+    "prepare_process": ".training.prepare",
 }
 __all__ = sorted(_LAZY)
 

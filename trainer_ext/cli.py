@@ -85,7 +85,7 @@ def ds_config(argv: list[str]) -> int:
 def train(argv: list[str]) -> int:
     import logging
 
-    from .config.experiment_file import ExperimentError, load_experiment
+    from .experiment import ExperimentError, load_experiment
     from .errors import CommandParser
 
     parser = CommandParser(prog="trainer-ext train",
@@ -207,7 +207,7 @@ def own_flags_misspelled(parser, flags: list[str]) -> tuple[list[str], list[str]
     """(the flags for the task, one problem per flag that is no task's and whose closest flag among the task's and the
     command's own is the command's: `train x.yaml --chek` said "did you mean --help?", `search --max_trial` "did you
     mean --max_train_samples?", since only the task's parser saw them). A misspelled flag's value goes with it."""
-    from .config.experiment_file import argument_classes
+    from .experiment import argument_classes
     from .tasks import TASKS
     from .config.flags import ExtArgumentParser
     from .errors import closest

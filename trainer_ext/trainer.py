@@ -38,7 +38,7 @@ from .integrations.internals import PrivateTrainerHooks
 from .checkpoints.policy import RunCheckpoints, checkpoint_folder, weights_and_step
 from .checkpoints.restarts import RestartReport, failure, note_stop
 from .environment.sagemaker import save_final_model
-from .environment.prepare import prepare_process
+from .training.prepare import prepare_process
 from .environment.launcher import check_process_group, release_at_exit
 from .search.callback import trial_callback
 from .config.checks import hub_problems

@@ -349,7 +349,7 @@ def test_the_old_module_paths_still_load_saved_arguments_and_scripts():
     (torch.load) and such a script stops at its import."""
     import pickle
 
-    from trainer_ext.config.experiment_file import run_experiment
+    from trainer_ext.experiment import run_experiment
     from trainer_ext.experiment import run_experiment as old_run_experiment
 
     assert pickle.loads(b"ctrainer_ext.args\nExtTrainingArguments\n.") is ExtTrainingArguments

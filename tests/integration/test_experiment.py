@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import BIN, PYTHON, REPO, free_port, run
-from trainer_ext.config.experiment_file import (NAME_OR_PATH_FIELDS, PATH_FIELDS, TASKS, ExperimentError,
+from trainer_ext.experiment import (NAME_OR_PATH_FIELDS, PATH_FIELDS, TASKS, ExperimentError,
                                                 argument_classes, load_experiment)
 
 EXPERIMENTS = REPO / "experiments"
@@ -333,7 +333,7 @@ def test_a_bad_deepspeed_section_is_named_as_such(tmp_path, section):
 
 def test_nvme_paths_in_a_deepspeed_section_follow_the_experiment_file(tmp_path):
     """A relative nvme_path in the file's deepspeed section was left relative to wherever the command ran."""
-    from trainer_ext.config.experiment_file import with_paths
+    from trainer_ext.experiment import with_paths
 
     section = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "swap"},
                                      "offload_param": {"device": "nvme", "nvme_path": "/abs/swap"}}}

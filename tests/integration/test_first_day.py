@@ -522,7 +522,7 @@ def test_a_mistyped_data_file_names_the_file_it_likely_meant(tmp_path, task):
     from types import SimpleNamespace
 
     from trainer_ext.errors import ArgumentsError
-    from trainer_ext.config.experiment_file import argument_classes
+    from trainer_ext.experiment import argument_classes
     from trainer_ext.tasks import translation
 
     (tmp_path / "train.jsonl").write_text("{}\n")

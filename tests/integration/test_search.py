@@ -14,7 +14,7 @@ import yaml
 
 from conftest import BIN, REPO, run, signal_at_step
 from trainer_ext.checkpoints.format import newest_valid_checkpoint
-from trainer_ext.config.experiment_file import argument_classes, flag_types
+from trainer_ext.experiment import argument_classes, flag_types
 from trainer_ext.search import PRUNED_ATTR
 from trainer_ext.search.space import read_search
 from trainer_ext.search.study import retried_from

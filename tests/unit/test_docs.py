@@ -58,7 +58,7 @@ def option_strings(parser) -> set[str]:
 def known_flags():
     """Every example's flags (model, data and training arguments, as the example builds its parser)."""
     from trainer_ext import ExtArgumentParser
-    from trainer_ext.config.experiment_file import argument_classes
+    from trainer_ext.experiment import argument_classes
 
     return {script: option_strings(ExtArgumentParser(argument_classes(task))) for script, task in EXAMPLES.items()}
 

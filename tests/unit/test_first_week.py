@@ -130,7 +130,7 @@ def test_the_removed_flags_table_holds_for_the_installed_transformers():
     every flag an entry tells users to type is one."""
     from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
-    from trainer_ext.config.experiment_file import argument_classes
+    from trainer_ext.experiment import argument_classes
     from trainer_ext.config.removed import OTHER_SPELLINGS, REMOVED_FLAGS
 
     fields = {f.name for cls in (TrainingArguments, Seq2SeqTrainingArguments) for f in dataclasses.fields(cls)}
@@ -146,7 +146,7 @@ def test_the_removed_flags_table_holds_for_the_installed_transformers():
 
 def test_an_experiment_file_key_transformers_5_removed_says_what_to_write(tmp_path):
     """`save_safetensors: false` in an experiment file said "did you mean 'save_steps'?"."""
-    from trainer_ext.config.experiment_file import ExperimentError, load_experiment
+    from trainer_ext.experiment import ExperimentError, load_experiment
 
     path = tmp_path / "exp.yaml"
     path.write_text("task: classification\nhyperparameters:\n  save_safetensors: false\n  evaluation_strategy: steps\n")
@@ -531,7 +531,7 @@ def test_every_command_suggests_the_flag_a_typo_meant(capsys, argv, hint):
 def test_lora_rank_is_lora_r_as_in_llama_factory(tmp_path, capsys):
     """`run_clm.py --lora_rank 16` said "did you mean --local_rank?" and `trainer-ext plan --lora_rank 16` argparse's bare
     error: LLaMA-Factory's (and many scripts') name is taken as --lora_r."""
-    from trainer_ext.config.experiment_file import argument_classes
+    from trainer_ext.experiment import argument_classes
 
     model, _, _ = ExtArgumentParser(argument_classes("causal_lm")).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--lora_rank", "16"])

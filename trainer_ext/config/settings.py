@@ -2,7 +2,7 @@
 computes values and hands them here, at two moments: when ExtTrainingArguments is parsed (config/flags.py: the text
 flags read, a SageMaker job's folders, CPU ranks' device flags, the selected backend's `prepare_arguments` and, once
 transformers has set the arguments up, its `arguments_ready`), and when a process is prepared for training
-(environment/prepare.py: the same for stock TrainingArguments, which parsed nothing, through the backend's
+(training/prepare.py: the same for stock TrainingArguments, which parsed nothing, through the backend's
 `arguments_for_training`; nothing for arguments already resolved). What is
 written is either a field transformers itself reads (the resolved DeepSpeed config as `deepspeed`, the batch and rate
 flags a DeepSpeed file decided, `fsdp_config`, `use_cpu`, `output_dir`, ...) or the backend's resolved settings

@@ -1,1 +1,1 @@
-"""The process a run lives in: what the launcher started (launcher), the one set-up step before training (prepare), who a process is (processes), and SageMaker as one detected environment (sagemaker)."""
+"""The process a run lives in: what the launcher started (launcher), who a process is (processes), and SageMaker as one detected environment (sagemaker)."""

@@ -19,7 +19,7 @@ def check(experiment_path: str, flags: list[str], overrides: dict) -> dict:
     """-> {"problems": [...], "warnings": [...], "settings": SearchSettings as a dict or None, "deepspeed": the
     experiment's DeepSpeed config as given, "checkpoint_uri" and "storage_options": the experiment's}."""
     from ..deepspeed_config import DeepSpeedConfigError
-    from ..config.experiment_file import ExperimentError, argument_classes, flag_types, load_experiment, read
+    from ..experiment import ExperimentError, argument_classes, flag_types, load_experiment, read
     from ..tasks import TASKS
 
     problems: list[str] = []
@@ -95,7 +95,7 @@ def _lines(err: Exception, name: str) -> list[str]:
 
 def _resolve_paths(settings: SearchSettings, folder) -> None:
     """Choices of a path flag (deepspeed: ../ds_configs/x.json) are relative to the file, as its other values are."""
-    from ..config.experiment_file import NAME_OR_PATH_FIELDS, PATH_FIELDS, with_paths
+    from ..experiment import NAME_OR_PATH_FIELDS, PATH_FIELDS, with_paths
 
     for key, param in settings.space.items():
         if key in PATH_FIELDS + NAME_OR_PATH_FIELDS and param.choices:

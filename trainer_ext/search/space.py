@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from ..deepspeed_config import KNOWN_TOP_LEVEL_KEYS, SECTION_KEYS, load_deepspeed_config
-from ..config.experiment_file import OPTIMIZER_FIELDS, SCHEDULER_FIELDS, check_keys, as_mapping
+from ..experiment import OPTIMIZER_FIELDS, SCHEDULER_FIELDS, check_keys, as_mapping
 from ..config.values import WrongType, did_you_mean, read_as
 
 KEYS = ("space", "metric", "direction", "max_trials", "parallel_trials", "sampler", "pruner", "storage", "study_name",

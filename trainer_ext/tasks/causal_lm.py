@@ -319,7 +319,7 @@ def load_model(model_path: str, config, model_args: ModelArguments, training_arg
     partitioned loading)."""
     from transformers import AutoModelForCausalLM
 
-    from ..environment.prepare import sharded_loading
+    from ..training.prepare import sharded_loading
     from .common import reading
 
     dtype = model_args.model_kwargs.get("dtype", model_args.model_kwargs.get("torch_dtype"))
@@ -547,7 +547,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     from transformers import set_seed
 
     from ..data.packing import CausalLMCollator
-    from ..environment.prepare import prepare_process
+    from ..training.prepare import prepare_process
     from ..trainer import ExtTrainer
     from .chat_data import ChatFile
     from .common import (check_best_metric, check_output_dir, check_sequence_length, check_something_to_do,

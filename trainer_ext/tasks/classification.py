@@ -207,7 +207,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     import transformers
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
-    from ..environment.prepare import prepare_process, sharded_loading
+    from ..training.prepare import prepare_process, sharded_loading
     from ..trainer import ExtTrainer
 
     from .common import check_best_metric, check_output_dir, check_something_to_do, check_sequence_length, reading

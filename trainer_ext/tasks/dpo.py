@@ -112,7 +112,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     import datasets
     from transformers import set_seed
 
-    from ..environment.prepare import prepare_process
+    from ..training.prepare import prepare_process
     from ..trl import ExtDPOConfig, ExtDPOTrainer
     from .causal_lm import (adapter_modules, check_model_flags, check_tokenizer, default_model, evaluates,
                             fit_vocabulary, load_model, load_model_config, lora_config, skeleton_of)

@@ -310,7 +310,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     the generated texts (`generated_eval_before.txt`, `generated_eval.txt`, `generated_predictions.txt`)."""
     from transformers import DataCollatorForSeq2Seq, set_seed
 
-    from ..environment.prepare import prepare_process, sharded_loading
+    from ..training.prepare import prepare_process, sharded_loading
     from ..seq2seq import ExtSeq2SeqTrainer
 
     from .common import check_best_metric, check_output_dir, check_something_to_do

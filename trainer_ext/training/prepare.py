@@ -12,10 +12,10 @@ from ..backends.deepspeed.ops import import_deepspeed_quietly
 from ..checkpoints.restarts import resumed_order_state
 from ..config.batch import batch_fields
 from ..config.settings import write
-from .launcher import (bound_collective_waits, cpu_ranks, form_one_rank_group, launched_world_size,
-                       rendezvous_store_problem, share_cores_between_cpu_ranks, signal_when_the_agent_dies)
-from .sagemaker import prepare_arguments as prepare_sagemaker_arguments
-from .sagemaker import prepare_environment as prepare_sagemaker_environment
+from ..environment.launcher import (bound_collective_waits, cpu_ranks, form_one_rank_group, launched_world_size,
+                                    rendezvous_store_problem, share_cores_between_cpu_ranks, signal_when_the_agent_dies)
+from ..environment.sagemaker import prepare_arguments as prepare_sagemaker_arguments
+from ..environment.sagemaker import prepare_environment as prepare_sagemaker_environment
 
 logger = logging.getLogger(__name__)
 
