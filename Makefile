@@ -22,6 +22,7 @@ $(PY):
 $(STAMP): $(PY) setup.py constraints/tested.txt
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e ".[test]" -c constraints/tested.txt
+	$(PY) -m pip install --quiet --no-deps --upgrade --target .qlora-site bitsandbytes -c constraints/tested.txt
 	touch $(STAMP)
 
 test: setup
@@ -114,4 +115,4 @@ gpu-bench: gpu-setup
 gpu-check: gpu-test gpu-bench
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) $(NEWEST_VENV) build *.egg-info .pytest_cache mutants
+	rm -rf $(VENV) $(OLDEST_VENV) $(NEWEST_VENV) build *.egg-info .pytest_cache mutants .qlora-site

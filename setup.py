@@ -15,7 +15,8 @@ BENCHMARKS = ["matplotlib"]  # benchmarks/backends.py draws its figure
 # LLM fine-tuning: LoRA adapters (peft) and TRL's SFTTrainer and DPOTrainer combined with ExtTrainer (trainer_ext.trl).
 LLM = ["peft>=0.17", "trl>=1.10"]
 # --load_in_4bit (QLoRA): bitsandbytes' NF4; 0.50 runs it on CPU too. Not in `test`: peft imports it at start whenever
-# it is installed, ~1.4 s of CPU for every process (it imports torch's inductor), measured; its tests skip without it.
+# it is installed, ~1.4 s of CPU for every process (it imports torch's inductor), measured; make setup puts it in .qlora-site,
+# which only the QLoRA test's processes see.
 QLORA = ["bitsandbytes>=0.50"]
 # --use_liger_kernel: transformers patches the model with Liger's Triton kernels (a CUDA GPU); 0.3 is transformers' floor.
 LIGER = ["liger-kernel>=0.3"]
