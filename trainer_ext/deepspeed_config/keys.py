@@ -206,6 +206,9 @@ TORCH_OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW",
                     "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam")
 # The keyword parameters (after the model's parameters) of each optimizer class DeepSpeed 0.19 builds from
 # optimizer.params (engine._configure_basic_optimizer); tests/unit/test_key_tables.py compares them with the classes.
+# Parameters a torch release after the tested one added, with that release (make test-newest found torch 2.15's): a
+# config may give them when the installed torch has them.
+OPTIMIZER_PARAMS_SINCE = {"torch.optim.LBFGS": {"maximize": (2, 15)}}
 OPTIMIZER_CLASS_PARAMS = {
     "FusedAdam": ("lr", "bias_correction", "betas", "eps", "adam_w_mode", "weight_decay", "amsgrad", "set_grad_none"),
     "DeepSpeedCPUAdam": ("lr", "bias_correction", "betas", "eps", "weight_decay", "amsgrad", "adamw_mode",

@@ -17,7 +17,7 @@ from .fields import (Origin, Source, copy_tree, flag_source, get_field, iter_fie
 from .keys import (ADAM_DEEPSPEED_PARAMS, AUTO, DEEPSPEED_OPTIMIZER_NAMES, DEEPSPEED_OPTIMIZERS, DEEPSPEED_SCHEDULERS, FIELD_FLAGS,
                    FIELD_TYPES, FLAG_DEFAULTS, FP16_BLOCK_DEFAULTS, H100_RUN, HIDDEN_SIZE_AUTO, KNOWN_TOP_LEVEL_KEYS,
                    GIVEN_BY_DEEPSPEED, NESTED_HOME, NESTED_SECTION_KEYS, OFFLOAD_DEVICES, OPTIMIZER_CLASS_PARAMS, REMOVED_TOP_LEVEL_KEYS, SCHEDULER_FOR_TYPE,
-                   SECTION_KEYS, STAGE3_ALIASES, STAGE3_ONLY_KEYS, TORCH_OPTIMIZERS, TUNED_ZERO, ZERO2_DEFAULTS,
+                   OPTIMIZER_PARAMS_SINCE, SECTION_KEYS, STAGE3_ALIASES, STAGE3_ONLY_KEYS, TORCH_OPTIMIZERS, TUNED_ZERO, ZERO2_DEFAULTS,
                    ZERO3_COST, ZERO3_DEFAULTS, ZERO3_GRANULARITY, ZERO_AUTO_FALLBACK, ZERO_TESTED_OPTIMIZERS)
 
 FLAG, DEFAULT, FILE, DERIVED = Origin.FLAG, Origin.DEFAULT, Origin.FILE, Origin.DERIVED
@@ -451,7 +451,18 @@ def built_optimizer(config: dict) -> tuple[str, tuple[str, ...]] | None:
     else:
         return None
     given = GIVEN_BY_DEEPSPEED.get(built, ())
-    return built, own + tuple(key for key in OPTIMIZER_CLASS_PARAMS[built] if key not in given and key not in own)
+    newer = tuple(key for key, since in OPTIMIZER_PARAMS_SINCE.get(built, {}).items() if installed_torch() >= since)
+    return built, own + tuple(key for key in OPTIMIZER_CLASS_PARAMS[built] + newer if key not in given and key not in own)
+
+
+def installed_torch() -> tuple[int, int]:
+    """(major, minor) of the installed torch, read from its metadata (torch itself is not imported); (0, 0) without it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return tuple(int(part) for part in version("torch").split("+")[0].split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return (0, 0)
 
 
 def optimizer_params_problems(config: dict) -> list[str]:

@@ -311,11 +311,16 @@ def optuna_heartbeat_thread(trial_id: int, storage):
 
 # -- torch.distributed -------------------------------------------------------------------------------------------
 def set_process_group_timeout(seconds: float) -> None:
-    """The default process group's collectives fail after `seconds` (torch's own setter: the public
-    init_process_group takes a timeout only when the group is formed, and transformers does not pass --ddp_timeout to
-    the gloo group of CPU ranks)."""
+    """The default process group's collectives fail after `seconds` (transformers does not pass --ddp_timeout to the
+    gloo group of CPU ranks): torch's public set_timeout from 2.15 on; before it, its private setter (the public
+    init_process_group takes a timeout only when the group is formed)."""
     from datetime import timedelta
 
-    from torch.distributed import distributed_c10d
+    import torch.distributed
 
-    distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+    if hasattr(torch.distributed, "set_timeout"):
+        torch.distributed.set_timeout(timedelta(seconds=seconds))
+    else:
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
