@@ -14,6 +14,7 @@ import time
 import pytest
 
 from conftest import PYTHON, TINY_TRAIN, clean_env, example, run, user_error, write_lines
+from trainer_ext.tasks import TASKS
 
 FAST = ["--max_steps", "2", "--report_to", "none", "--disable_tqdm", "true"]
 SHORT = ["--max_seq_length", "32"]  # classification and QA
@@ -516,7 +517,7 @@ def test_batch_eval_metrics_may_return_nothing_until_the_last_batch():
     assert checked(None, compute_result=True) == {"accuracy": 1.0}
 
 
-@pytest.mark.parametrize("task", ["classification", "qa", "translation"])
+@pytest.mark.parametrize("task", sorted(TASKS))
 def test_a_mistyped_data_file_names_the_file_it_likely_meant(tmp_path, task):
     """`--train_file data/trian.jsonl` said only that no such file exists, beside a data/train.jsonl."""
     from types import SimpleNamespace

@@ -136,7 +136,9 @@ def test_the_removed_flags_table_holds_for_the_installed_transformers():
     fields = {f.name for cls in (TrainingArguments, Seq2SeqTrainingArguments) for f in dataclasses.fields(cls)}
     assert not set(REMOVED_FLAGS) & fields, set(REMOVED_FLAGS) & fields
     assert "fp16_full_eval" in fields  # still there in transformers 5: not in the table
-    options = {option for task in ("classification", "qa", "translation")
+    from trainer_ext.tasks import TASKS
+
+    options = {option for task in TASKS
                for action in ExtArgumentParser(argument_classes(task))._actions for option in action.option_strings}
     for name, advice in {**REMOVED_FLAGS, **OTHER_SPELLINGS}.items():
         assert f"--{name}" not in options, name
