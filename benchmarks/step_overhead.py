@@ -39,6 +39,9 @@ LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
              eos_token_id=EOS, bos_token_id=EOS)
 # Where a counted op came from: the innermost frame outside these (torch's own machinery, the counter itself).
 PASS_THROUGH = (os.sep + "torch" + os.sep, "contextlib.py", "functools.py", "typing_extensions.py", "step_overhead.py")
+# ...unless the op runs inside a distributed wrapper's forward (DDP broadcasting its buffers at every forward): the
+# engine's, whichever code called the model (the stock loop, or ExtTrainer's chunked loss).
+WRAPPERS = (os.sep.join(("torch", "nn", "parallel", "distributed.py")), os.sep.join(("torch", "distributed", "fsdp", "")))
 # What the counts are split by: ExtTrainer's own code (trainer_ext, its backends apart), transformers' Trainer.
 MARKER = "trainer_ext.counted_step"  # torch.profiler's range around each counted step (on CUDA)
 OWNERS = {"trainer_ext": f"trainer_ext{os.sep}", "Trainer": f"transformers{os.sep}trainer"}
@@ -101,7 +104,7 @@ def origin(frame) -> str:
     """The file (from its package root) of the innermost frame outside torch: the code that asked for the op."""
     while frame is not None:
         path = frame.f_code.co_filename
-        if not any(part in path for part in PASS_THROUGH):
+        if any(part in path for part in WRAPPERS) or not any(part in path for part in PASS_THROUGH):
             return origin_of(path)
         frame = frame.f_back
     return "?"
