@@ -7,7 +7,7 @@ tokenize, pack: trainer_ext's own count; TRL: building SFTTrainer, on rank 0), p
 around each rank), and for trainer_ext a second run on the filled cache (a re-run, resume or search trial). Writes
 benchmarks/results/data_scale.md and .json (machine and versions included).
 
-    python benchmarks/data_scale.py                                  # 10k and 100k chats: ~1.5 h on 2 busy cores
+    python benchmarks/data_scale.py                                  # 10k and 100k chats: ~20 min on 2 quiet cores
     python benchmarks/data_scale.py --chats 10000 --only trainer_ext # one size, one side
     python benchmarks/data_scale.py --chats 1000000 --only trainer_ext --ranks 2   # the by-hand 1M run
 
