@@ -78,8 +78,8 @@ CONFIGS = [
            ("--deepspeed", "zero2_offload"), needs="deepspeed"),
     Config("zero_dp_2 offload, ExtTrainer", "ext", "torchrun", ("--sharded_ddp", "zero_dp_2 offload"),
            needs="fairscale"),
-    # Issue 14's target: ZeRO-3 >= 0.7x plain where the model would fit anyway (H200: 0.19x at DeepSpeed's defaults,
-    # 0.62-0.66x with the module granularity the preset now resolves to).
+    # Issue 14's target: ZeRO-3 >= 0.7x plain where the model would fit anyway (H200: 0.19x at DeepSpeed's defaults;
+    # the 0.62-0.66x once measured with module granularity h² was a whole-model leaf that learnt nothing).
     Config("ZeRO-3, ExtTrainer (zero3)", "ext", "deepspeed", ("--deepspeed", "zero3"), needs="deepspeed"),
     # Issue 22: PyTorch FSDP2 beside ZeRO-3 (the same memory: parameters, gradients and Adam sharded), bf16.
     Config("FSDP2 full_shard, ExtTrainer (--fsdp full_shard auto_wrap)", "ext", "torchrun",
@@ -97,14 +97,15 @@ def zero3_variant(**changes) -> tuple:
     return ("--deepspeed", json.dumps(config))
 
 
-# The stage-3 settings the defaults were chosen from (issue 25, one H200, bf16): one change each from the resolved
+# The stage-3 settings the defaults are chosen from (issue 25, one H200, bf16): one change each from the resolved
 # preset, then the four others together; bf16 only, lowest priority: `--only "ZeRO-3 tuning"` runs them alone. The
-# preset now resolves stage3_module_granularity_threshold to h² (1e6 for BERT-large: 0.62-0.66x plain, 0.19x at 0);
-# the first row measures DeepSpeed's 0 against it. BERT-large: attention matrices h^2 = 1.05M parameters, feed-forward
-# 4.2M; the preset sizes the rest from h = 1024.
+# preset resolves stage3_module_granularity_threshold to DeepSpeed's 0 (h² made BERT-large one leaf that learnt
+# nothing); the first row measures the largest value backends/deepspeed/leaves.py allows for BERT-large: 897,059, its
+# 24 attention blocks as leaves. BERT-large: attention matrices h^2 = 1.05M parameters, feed-forward 4.2M; the preset
+# sizes the rest from h = 1024.
 ZERO3_TUNING = {
-    "module granularity 0 (DeepSpeed's default: a fetch and a hook per module)":
-        {"stage3_module_granularity_threshold": 0},
+    "module granularity 897059 (BERT-large's attention blocks fetched whole)":
+        {"stage3_module_granularity_threshold": 897059},
     "persistence 2e6 (attention matrices stay whole)": {"stage3_param_persistence_threshold": 2e6},
     "prefetch 5e8, live 3e9": {"stage3_prefetch_bucket_size": 5e8, "stage3_max_live_parameters": 3e9},
     "overlap_comm off": {"overlap_comm": False},

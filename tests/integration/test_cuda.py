@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_TRAIN, launch, logged, requires_cuda, scratch
+from conftest import TINY_COMMON, TINY_TRAIN, free_port, launch, launcher, logged, requires_cuda, run, scratch
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed]
 
@@ -198,17 +198,29 @@ def test_fp16_overflow_lowers_the_loss_scale_and_training_goes_on(tmp_path):
 
 
 @requires_cuda
-def test_zero3_with_its_gpu_granularity_trains_like_plain_and_saves_a_whole_model(plain, tmp_path):
-    """ZeRO-3's GPU default, stage3_module_granularity_threshold = h² (0.62-0.66x plain on an H200 against 0.19x at
-    DeepSpeed's 0): the same losses as plain bf16 and a whole model gathered into model.safetensors. Written after the
-    H200 lease that chose the default: not yet run on a GPU."""
+def test_zero3_trains_like_plain_and_saves_a_whole_model(plain, tmp_path):
+    """ZeRO-3 at DeepSpeed's module granularity 0: the same losses and gradient norms as plain bf16 and a whole model
+    gathered into model.safetensors. Its former GPU default h² made this model one leaf: grad norm 0, nothing learnt
+    (failed here on an H100, 2026-11-27)."""
     train("deepspeed", tmp_path, "--bf16", "--deepspeed", "zero3")
     resolved = json.loads((tmp_path / "ds_config.resolved.json").read_text())
-    assert resolved["zero_optimization"]["stage3_module_granularity_threshold"] == 32 * 32  # the tiny model: h = 32
+    assert resolved["zero_optimization"]["stage3_module_granularity_threshold"] == 0
     assert_trains_like(plain("bf16"), tmp_path, "bf16", "half weights")
     from safetensors.torch import load_file
 
     assert all(tensor.numel() > 0 for tensor in load_file(str(tmp_path / "model.safetensors")).values())
+
+
+@requires_cuda
+def test_zero3_granularity_that_makes_the_model_one_leaf_is_refused_before_training(tmp_path):
+    """The tiny model's granularity is under h² = 1024: the whole model would be one leaf and learn nothing; the run
+    must stop with one line naming the field and the largest safe value before step 1."""
+    config = {"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 1024}}
+    out = run([*launcher("deepspeed"), "--num_gpus", RANKS, "--master_port", free_port(), TINY_TRAIN, "--output_dir",
+               tmp_path, *TINY_COMMON, *COMMON, "--bf16", "--deepspeed", json.dumps(config)])
+    said = out.stdout + out.stderr
+    assert out.returncode != 0 and "stage3_module_granularity_threshold=1024 makes the whole model" in said, said[-3000:]
+    assert "set it to at most" in said and "'loss'" not in said and "Traceback" not in said
 
 
 CLM = Path(__file__).resolve().parents[2] / "examples" / "run_clm.py"

@@ -53,8 +53,8 @@ def test_stage_3_fields_wait_for_the_model_then_explain_says_why(deepspeed_accep
     assert zero.prefetch_bucket_size == int(0.9 * HIDDEN * HIDDEN) and zero.gather_16bit_weights_on_model_save
     text = explain(finished)
     assert "hidden size h = 384 (transformers' rule: 0.9·h² elements fetched ahead of use)" in text
-    assert "0.19x at DeepSpeed's defaults" in text and "trainer-ext plan" in text
-    assert zero.module_granularity_threshold == HIDDEN * HIDDEN  # GPU ranks: sized once the model is known too
+    assert "0.19x plain samples/s at DeepSpeed's defaults" in text and "trainer-ext plan" in text
+    assert zero.module_granularity_threshold == 0  # DeepSpeed's: h² made BERT one leaf that learnt nothing
 
 
 @pytest.mark.deepspeed
@@ -112,19 +112,91 @@ def test_module_granularity_is_refused_on_cpu_ranks_only(deepspeed_accepts):
 
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("where,file,expected", [
-    ("GPUs", {}, 1024 * 1024),  # h²: measured on one H200, 0.62-0.66x plain instead of 0.19x at DeepSpeed's 0
+    ("GPUs", {}, 0),  # h² here made BERT-large one leaf: no gradient reached the optimizer (test below)
     ("CPU ranks", {}, 0),  # DeepSpeed fails there with any value > 0
-    ("GPUs", {"offload_param": {"device": "cpu"}}, 0),  # not measured with parameter offload: DeepSpeed's own
-    ("GPUs", {"stage3_module_granularity_threshold": 5e5}, 500_000),  # a value the file gives is kept
-])
-def test_module_granularity_default_follows_where_the_ranks_run(deepspeed_accepts, where, file, expected):
-    """ZeRO-3's module granularity (issue 25's stage-3 rows on an H200): h² on GPUs, 0 on CPU ranks and with
-    offload_param, as DeepSpeed's own parser reads the resolved config."""
+    ("GPUs", {"stage3_module_granularity_threshold": "auto"}, 0),
+    ("GPUs", {"stage3_module_granularity_threshold": 5e5}, 500_000),  # a value the file gives is kept (and checked
+])                                                                    # against the model when training starts)
+def test_module_granularity_default_is_deepspeeds_everywhere(deepspeed_accepts, where, file, expected):
+    """ZeRO-3's module granularity stays DeepSpeed's 0 unless the file sets it (h² on GPUs made the whole model one
+    leaf that learnt nothing), as DeepSpeed's own parser reads the resolved config."""
     config = {"zero_optimization": {"stage": 3, **file}}
     resolution = resolve_deepspeed_config({}, config, world_size=2, num_training_steps=10, hidden_size=1024,
                                           cpu_ranks=where == "CPU ranks")
     assert resolution.config["zero_optimization"]["stage3_module_granularity_threshold"] == expected
     assert deepspeed_accepts(resolution.config, 2).zero_config.module_granularity_threshold == expected
+
+
+def tiny_models():
+    """The tiny BERT of tests/scripts/zero3_leaves.py and a tiny Llama (GQA, untied head), built on the meta device."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        yield "bert", BertForSequenceClassification(BertConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64))
+        yield "llama", LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176,
+                                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+
+
+@pytest.mark.deepspeed
+def test_the_leaves_we_predict_are_the_ones_deepspeed_chooses():
+    """check_granularity refuses from the leaves it predicts; a prediction that drifted from DeepSpeed's own choice
+    (a DeepSpeed release changing its rule) would refuse safe values or let a whole-model leaf train nothing."""
+    import sys
+
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    from trainer_ext.backends.deepspeed.leaves import granularities, leaves
+
+    for name, model in tiny_models():
+        for parameter in model.parameters():
+            parameter.ds_numel = parameter.numel()
+        names = {id(module): path for path, module in model.named_modules()}
+        values = sorted({granularity for _, granularity, _ in granularities(model).values()})
+        for threshold in [0, *values, *(value - 1 for value in values)]:
+            for module in model.modules():
+                module._z3_leaf = False
+            oracle = object.__new__(DeepSpeedZeRoOffload)  # DeepSpeed's own rule, run on the model alone
+            oracle.min_granularity_value, oracle.min_granularity_layer = sys.maxsize, None
+            oracle.granularity_info, oracle.z3_leaf_layers = set(), []
+            if threshold > 0:
+                oracle._set_z3_leaf_modules_by_threshold(model, threshold)
+            theirs = [names[id(module)] for module in oracle.z3_leaf_layers]
+            assert [leaf for leaf, _, _ in leaves(model, threshold)] == theirs, (name, threshold)
+
+
+@pytest.mark.launch
+@pytest.mark.deepspeed
+def test_a_leaf_holding_the_blocks_trains_wrong_so_it_is_refused_before_training():
+    """DeepSpeed 0.19.8 itself (tests/scripts/zero3_leaves.py, against plain PyTorch): leaves without a container
+    train exactly, a leaf holding the encoder's ModuleList trains other weights, the whole model as a leaf nothing (the
+    h² default did that to BERT). If DeepSpeed fixes it this test says so; check_granularity refuses exactly those."""
+    from trainer_ext.backends.deepspeed.leaves import check_granularity, leaves
+
+    out = run([PYTHON, REPO / "tests" / "scripts" / "zero3_leaves.py", 0, 560, 588, 800, 1024],
+              env={"MASTER_PORT": str(free_port())})
+    assert out.returncode == 0, out.stderr[-3000:]
+    plain, *runs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    by_threshold = {run_["threshold"]: run_ for run_ in runs}
+
+    def same(run_):
+        return max(abs(a - b) for a, b in zip(run_["losses"], plain["losses"])) < 1e-6
+
+    assert same(by_threshold[0]) and same(by_threshold[560]) and same(by_threshold[588])
+    assert by_threshold[560]["leaves"] == ["bert.encoder.layer.0.attention", "bert.encoder.layer.1.attention",
+                                           "bert.pooler"]
+    assert by_threshold[800]["leaves"][0] == "bert.encoder" and not same(by_threshold[800])
+    assert by_threshold[1024]["leaves"] == ["(the model)"] and by_threshold[1024]["norms"] == [0.0] * 4
+
+    bert = next(model for name, model in tiny_models() if name == "bert")
+    for threshold in (0, 560, 588):
+        check_granularity(bert, {"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": threshold}})
+    for threshold, what in ((800, "bert.encoder (it holds a ModuleList)"), (1024, "the whole model")):
+        with pytest.raises(DeepSpeedConfigError, match="set it to at most 588 ") as refused:
+            check_granularity(bert, {"zero_optimization": {"stage": 3, "module_granularity_threshold": threshold}})
+        assert f"threshold={threshold} makes {what}" in str(refused.value)
+    assert not any(container for _, _, container in leaves(bert, 588))
 
 
 @pytest.fixture(scope="module")

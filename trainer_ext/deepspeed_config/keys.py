@@ -313,19 +313,15 @@ HIDDEN_SIZE_AUTO = {
                                     "transformers' rule"),
     "stage3_param_persistence_threshold": (lambda h: 10 * h, "parameters under 10·h elements stay whole on every "
                                                              "rank (no fetch per use)", "transformers' rule"),
-    "stage3_module_granularity_threshold": (lambda h: h * h, "a module under h² parameters (a projection, a "
-                                                             "LayerNorm) is fetched with its parent: one gather and "
-                                                             "one hook per block instead of per module",
-                                            "our rule, measured on a GPU"),
 }
-# ZeRO-3 on GPUs: stage3_module_granularity_threshold "auto" (h²) unless the file sets it. Measured on one H200
-# (BERT-large QA, bf16, 32 x 384, DeepSpeed 0.19.8, 2026-11-24): 0.19x plain samples/s at DeepSpeed's default 0, 0.62x
-# and 0.66x (two runs) at 1e6 = h²; the other stage-3 rows (persistence 2e6, prefetch 5e8 with live 3e9, overlap_comm
-# off, contiguous_gradients off, all four together) ran at 0.14-0.17x. Left at 0 on CPU ranks (DeepSpeed fails there)
-# and with offload_param (not measured).
-ZERO3_GRANULARITY = ("auto", "fewer, coarser parameter fetches: on one H200 (BERT-large, bf16) ZeRO-3 ran at "
-                             "0.62-0.66x plain samples/s with h², 0.19x at DeepSpeed's 0 "
-                             "(benchmarks/results/gpu_zero3.md)")
+# ZeRO-3's stage3_module_granularity_threshold stays DeepSpeed's 0 unless the file sets it. h² was the GPU default
+# from an H200 lease (2026-11-24: 0.62-0.66x plain samples/s against 0.19x at 0), but on BERT and on most models the
+# model's own granularity is under h², so DeepSpeed made the whole model one leaf and no gradient reached the optimizer
+# (grad norm 0: those rows measured a run that learnt nothing; found on an H100 on 2026-11-27, reproduced on CPU).
+# A value the file sets is checked against the model (backends/deepspeed/leaves.py).
+ZERO3_GRANULARITY = (0, "DeepSpeed's 0 (a fetch and a hook per module): a larger value can make a leaf of a module "
+                        "holding the transformer blocks, or of the whole model, and then DeepSpeed trains with wrong "
+                        "or no gradients (measured; a value the file sets is checked against the model)")
 # ZeRO-3 fields filled when a file leaves them out or says "auto" (a value the user wrote is kept): key -> (value,
 # why); "auto" here means "from the model's hidden size" (HIDDEN_SIZE_AUTO). The rest stay DeepSpeed's own defaults
 # (stage3_max_live_parameters and stage3_max_reuse_distance 1e9, sub_group_size 1e9, overlap_comm on): the same as
@@ -338,9 +334,9 @@ ZERO3_DEFAULTS = {
                                                         "memory"),
 }
 # What ZeRO-3 costs where ZeRO-2 would fit, for --explain and trainer-ext plan (measured in issue 14).
-ZERO3_COST = ("parameters gathered per layer for every forward and backward (1.5x DDP's communication): measured "
-              "on one H200 (BERT-large, bf16) at 0.62-0.66x plain samples/s with our module granularity, 0.19x at "
-              "DeepSpeed's defaults; choose it when ZeRO-2 does not fit (trainer-ext plan --device_memory tells)")
+ZERO3_COST = ("parameters gathered module by module for every forward and backward (1.5x DDP's communication): "
+              "measured on one H200 (BERT-large, bf16) at 0.19x plain samples/s at DeepSpeed's defaults; choose it "
+              "when ZeRO-2 does not fit (trainer-ext plan --device_memory tells)")
 # Keys DeepSpeed reads only at stage 3 (at stage 0-2 it ignores them), and the unprefixed names DeepSpeed also accepts
 # for stage-3 fields (renamed to the stage3_ spelling transformers and the presets use).
 STAGE3_ALIASES = {

@@ -720,15 +720,7 @@ def _zero3_defaults(draft: Draft, section: dict, run: Run) -> None:
         draft.sources[f"zero_optimization.{key}"] = Source(DEFAULT, f" for ZeRO-3: {why}")
     granularity_key = "stage3_module_granularity_threshold"
     if section.get(granularity_key, AUTO) == AUTO:
-        offload_param = section.get("offload_param")
-        if run.cpu_ranks:
-            section[granularity_key], why = 0, ("0 on CPU ranks: DeepSpeed's module granularity fails there at the "
-                                                "first step (record_stream)")
-        elif isinstance(offload_param, dict) and offload_param.get("device") not in (None, "none"):
-            section[granularity_key], why = 0, ("DeepSpeed's 0 with offload_param (the coarser fetch is not "
-                                                "measured there)")
-        else:
-            section[granularity_key], why = ZERO3_GRANULARITY
+        section[granularity_key], why = ZERO3_GRANULARITY
         draft.sources[f"zero_optimization.{granularity_key}"] = Source(DEFAULT, f" for ZeRO-3: {why}")
     if section["stage3_gather_16bit_weights_on_model_save"] is False:
         draft.notes.append("zero_optimization.stage3_gather_16bit_weights_on_model_save is false in the file: "

@@ -17,6 +17,7 @@ from ...deepspeed_config import finish_deepspeed_config, resolve_deepspeed_confi
 from ...deepspeed_config.keys import HIDDEN_SIZE_AUTO, ZERO3_COST
 from ...integrations import internals
 from ..base import Backend, BackendFormula, ResolvedSettings
+from .leaves import check_granularity
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +161,10 @@ class DeepSpeedBackend(Backend):
     def finish(self, trainer, model, num_training_steps: int) -> dict:
         """The complete config for this run: phase 1's, with the step count, world size and hidden size."""
         args = trainer.args
+        model = trainer.accelerator.unwrap_model(model)
         self.resolution = finish_deepspeed_config(self.resolution, args, args.world_size, num_training_steps,
-                                                  model_hidden_size(trainer.accelerator.unwrap_model(model)))
+                                                  model_hidden_size(model))
+        check_granularity(model, self.resolution.config)
         # Only for this load: with it on, a later ordinary resume would look for latest_universal.
         if self._load_universal:
             self.resolution.config.setdefault("checkpoint", {})["load_universal"] = True
@@ -241,6 +244,7 @@ class DeepSpeedBackend(Backend):
             model = trainer.accelerator.unwrap_model(trainer.model)
             finished = finish_deepspeed_config(self.resolution, trainer.args, trainer.args.world_size, 1,
                                                model_hidden_size(model))
+            check_granularity(model, finished.config)
             config = {key: value for key, value in finished.config.items() if key not in ("optimizer", "scheduler")}
             self._evaluation_engine = deepspeed.initialize(model=model, config=config)[0]
         return self._evaluation_engine
