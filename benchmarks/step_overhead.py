@@ -3,8 +3,8 @@ padded batches of 8 with an attention mask, fp32, on 1 process and on 2 ranks (D
 The two trainers run the same 200 steps in one process, each in a thread of its own taking optimizer steps in turn, so
 whatever else the machine does meets both alike; reported: each one's CPU time per step (its thread's) over the steps
 after the 10th that neither log nor save, and ExtTrainer / stock (the median over repeats). Then, from a shorter run
-of each, the host syncs (`aten::_local_scalar_dense`, the op behind `.item()`, `bool(tensor)` and `if tensor:`) and
-the collectives (c10d ops) per step that neither logs nor saves, by the code that made them, and on CUDA the
+of each, the host syncs (`aten::_local_scalar_dense`, the op behind `.item()`, `bool(tensor)` and `if tensor:`; and
+the ops whose result's size or value the host needs: a boolean mask's index, nonzero, equal) and the collectives (c10d ops) per step that neither logs nor saves, by the code that made them, and on CUDA the
 `cudaStreamSynchronize` (device and event synchronisations too) inside those steps, from torch.profiler. Writes
 benchmarks/results/step_overhead.md and .json.
 
@@ -128,6 +128,14 @@ def sync_counter():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     scalar_read = torch.ops.aten._local_scalar_dense.default
+    aten = torch.ops.aten
+    # Ops whose result's size or value the host must have, so on a GPU they wait for it too (cudaStreamSynchronize)
+    # though no .item() is called: a boolean mask's index, nonzero, equal.
+    shape_reads = {aten.nonzero.default, aten.equal.default, aten.masked_select.default, aten.is_nonzero.default}
+
+    def masked_index(func, args) -> bool:
+        return func is aten.index.Tensor and any(torch.is_tensor(index) and index.dtype == torch.bool
+                                                 for index in args[1])
 
     class SyncCounter(TorchDispatchMode):
         def __init__(self):
@@ -138,6 +146,9 @@ def sync_counter():
             namespace = func.namespace
             if func is scalar_read:
                 self.counts[("sync", "_local_scalar_dense", origin(_sys._getframe(1)))] += 1
+            elif func in shape_reads or masked_index(func, args):
+                name = "index (boolean mask)" if func is aten.index.Tensor else func.__name__.split(".")[0]
+                self.counts[("sync", name, origin(_sys._getframe(1)))] += 1
             elif namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
                 self.counts[("collective", func.__name__.split(".")[0], origin(_sys._getframe(1)))] += 1
             return func(*args, **(kwargs or {}))

@@ -105,6 +105,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self._evaluation_model = None  # the backend's engine for an evaluation (see evaluation_loop)
         self._evaluation_losses = None  # the token-weighted loss of the evaluation running (see evaluation_loop)
         self._batches_checked = set()  # "training", "evaluation": the first batch of each was checked (_check_batch)
+        self._chunked_loss_compared = set()  # id() of each model whose chunked loss was compared once (a device read)
         self.checkpoints = RunCheckpoints(self)  # resume, publish, rotate, --checkpoint_uri
         # First: its on_save publishes the checkpoint that every later on_save expects in place.
         self.callback_handler.callbacks.insert(0, self.checkpoints)
@@ -233,7 +234,9 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                            self.args.label_smoothing_factor, self._largest_on_every_rank)
         with head:
             outputs = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")})
-        total = head.loss(outputs, type(base_model(module)).__name__)
+        compare = id(module) not in self._chunked_loss_compared  # once per model: a read of the device
+        total = head.loss(outputs, type(base_model(module)).__name__, compare)
+        self._chunked_loss_compared.add(id(module))
         normaliser = num_items_in_batch if num_items_in_batch is not None else targets.ne(-100).sum().clamp(min=1)
         loss = self._normalised(total / torch.as_tensor(normaliser, device=total.device), num_items_in_batch is not None)
         if not return_outputs:

@@ -1,6 +1,7 @@
 """A training step that neither logs nor saves gives the GPU nothing of ExtTrainer's to wait for: no host sync
 (`aten::_local_scalar_dense`, the op behind .item() and bool(tensor)) and no collective beyond the stock Trainer's
-and the backend engine's, two syncs fewer than stock (the logged loss's NaN/Inf filter runs on the device); counted
+and the backend engine's, one read (the chunked loss's target positions, before the forward is queued), two syncs
+fewer than stock (the logged loss's NaN/Inf filter runs on the device); counted
 by benchmarks/step_overhead.py's dispatch mode on 1 process (here) and 2 ranks (DDP, ZeRO-2, FSDP2), stock and
 ExtTrainer in one launched process per backend. The ranks agree on a preemption's stop step without a per-step
 collective (tests/scripts/stop_agreement.py, in the DDP launch)."""
@@ -25,9 +26,14 @@ BACKENDS = {
 
 
 def per_step(report: dict, kind: str) -> Counter:
-    """A trainer's counts per counted step by (syncs or collectives, owner), and collectives by op ("op", name)."""
+    """A trainer's counts per counted step by (syncs, reads or collectives, owner), and collectives by op ("op",
+    name). A read: an op whose result's size or value the host needs (nonzero, a boolean mask's index, equal); by file
+    ("read at", path) too."""
     counts = Counter()
     for what, op, where, n in report["counts"][kind]["per_step"]:
+        if what == "sync" and op != "_local_scalar_dense":
+            what = "read"
+            counts["read at", where] += n
         counts[what, owner(where)] += n
         if what == "collective":
             counts["op", op] += n
@@ -39,6 +45,10 @@ def check(report: dict) -> None:
     ext = per_step(report, "ext")
     assert len(report["counts"]["ext"]["steps"]) >= 5
     assert ext["sync", "trainer_ext"] == 0 and ext["collective", "trainer_ext"] == 0, report["counts"]["ext"]
+    # one read of ours: where the chunked loss's target tokens are, taken before the model's forward is queued (a
+    # boolean-mask selection after it, and a torch.equal on the returned loss, waited for the whole forward)
+    ours = {key[1]: n for key, n in ext.items() if key[0] == "read at" and owner(key[1]) == "trainer_ext"}
+    assert ours == {"trainer_ext/training/chunked_loss.py": 1.0}, report["counts"]["ext"]
     if "stock" not in report["counts"]:  # FSDP2 on CPU ranks (accelerate's is for GPUs): no stock run to compare
         assert ext["sync", "Trainer"] == 0, report["counts"]["ext"]
         return

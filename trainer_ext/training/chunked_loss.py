@@ -54,8 +54,14 @@ class ChunkedHead:
 
     def __init__(self, head, targets, shifted: bool, chunk_size: int, label_smoothing: float = 0.0,
                  agree_on_chunks=None):
+        from .losses import IGNORE_INDEX
+
         self.head, self.targets, self.shifted, self.label_smoothing = head, targets, shifted, label_smoothing
         self.chunk_size = chunk_size
+        # Where the target tokens are: the one read of the device in this loss (how many), taken here, before the
+        # model's forward is queued, when the GPU has only the batch's copy behind it; selecting them later by a mask
+        # would wait for the whole forward, twice.
+        self.rows, self.columns = targets.ne(IGNORE_INDEX).nonzero(as_tuple=True)
         # A head whose layers hold the parameters (peft's modules_to_save copy, LoRA on lm_head) is called per chunk
         # through them: under ZeRO-3 (or an FSDP unit inside) each call gathers their weights, so every rank must make
         # the same number of calls. `agree_on_chunks(count)`: the largest count of any rank (a collective).
@@ -78,21 +84,18 @@ class ChunkedHead:
     def forward(self, hidden, *args, **kwargs):
         from torch.utils.checkpoint import checkpoint
 
-        from .losses import IGNORE_INDEX
-
         self.calls += 1
         if args or kwargs or hidden.dim() != 3:
             raise ChunkedLossError(f"--chunked_loss: {type(self.head).__name__} was called with other inputs than one "
                                    f"(batch, sequence, hidden) tensor; {CHUNKED_LOSS_OFF}")
-        targets = self.targets.to(hidden.device)
-        if self.shifted:
-            hidden = hidden[:, :-1]
-        if hidden.shape[:2] != targets.shape:
+        positions = (hidden.shape[0], hidden.shape[1] - 1 if self.shifted else hidden.shape[1])
+        if positions != tuple(self.targets.shape):
             raise ChunkedLossError(f"--chunked_loss: the model gave {type(self.head).__name__} hidden states of "
-                                   f"{tuple(hidden.shape[:2])} positions for labels of {tuple(targets.shape)}; "
+                                   f"{positions} positions for labels of {tuple(self.targets.shape)}; "
                                    f"{CHUNKED_LOSS_OFF}")
-        wanted = targets.ne(IGNORE_INDEX)
-        selected, labels = hidden[wanted], targets[wanted]  # only the target tokens go through the head
+        rows, columns = self.rows.to(hidden.device), self.columns.to(hidden.device)
+        # only the target tokens go through the head (hidden state s predicts label s + 1 when shifted)
+        selected, labels = hidden[rows, columns], self.targets.to(hidden.device)[rows, columns]
         size = self.chunk_size
         chunks = -(-labels.numel() // size)
         if self.agree_on_chunks is not None:  # ranks with fewer target tokens run empty chunks
@@ -111,9 +114,11 @@ class ChunkedHead:
         return torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum",
                                                  label_smoothing=self.label_smoothing)
 
-    def loss(self, outputs, model_name: str):
+    def loss(self, outputs, model_name: str, compare: bool = True):
         """The summed loss from the model's outputs (the tensor the model returned as its logits: under ZeRO-3 the
-        engine's hooks wrap it, and backward must pass through them)."""
+        engine's hooks wrap it, DDP's forward clones it, and backward must pass through them). `compare`: whether to
+        check the value is the one lm_head returned (a read of the device: the trainer asks it of a model's first
+        batch only, since soft-capping or scaling is the model's, the same at every step)."""
         import torch
 
         head = type(self.head).__name__
@@ -123,7 +128,7 @@ class ChunkedHead:
                                    f"loss cannot be taken through it chunk by chunk; {CHUNKED_LOSS_OFF}")
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         if not torch.is_tensor(logits) or logits.shape != (1, 1, 1) \
-                or not torch.equal(logits.detach().float(), self.returned.detach()):
+                or compare and not torch.equal(logits.detach().float(), self.returned.detach()):
             raise ChunkedLossError(f"--chunked_loss: {model_name}'s forward changes what {head} returns (soft-capping "
                                    f"or scaling its logits), so the loss cannot be taken through {head} chunk by "
                                    f"chunk; {CHUNKED_LOSS_OFF}")
