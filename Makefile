@@ -96,7 +96,7 @@ demo: setup
 # On a machine with a CUDA GPU: its own python with a CUDA build of torch (never .venv, which holds the CPU wheel).
 # deepspeed, fairscale and datasets come from .whl/ when it exists (wheels built for that machine's python, for a machine
 # without internet; `pip wheel --no-deps deepspeed fairscale` builds the two that ship as sources), else from pip.
-# `gpu-test` runs every CUDA-only test (~8 min on one H100), `gpu-bench` benchmarks/gpu.py (under 10 min, writes benchmarks/results/gpu.md); `gpu-check` runs both.
+# `gpu-test` runs every CUDA-only test (~4 min with PYTEST_ARGS="-n 8" on one H100), `gpu-bench` benchmarks/gpu.py (under 10 min, writes benchmarks/results/gpu.md); `gpu-check` runs both.
 GPU_PY ?= python3
 GPU_SITE ?= /tmp/trainer_ext-gpu-site
 GPU_ENV = PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PATH=$(GPU_SITE)/bin:$$PATH PYTHONUNBUFFERED=1

@@ -344,7 +344,8 @@ def test_sharegpt_and_alpaca_rows_read_as_the_chat_they_hold(tmp_path):
 
 def test_other_column_names_are_read_through_the_column_flags(tmp_path, capsys):
     """--dataset_columns prompt=question,completion=answer (and --dataset_text_field, TRL's name) read columns of the
-    user's names; a field this recipe does not read, a pair without a column, or two columns for the text: one line."""
+    user's names; a field this recipe does not read, a pair without a column, two columns for the text, or a mapped
+    column the file lacks (a typo: the closest column named): one line."""
     from trainer_ext.tasks.chat_data import Columns, read_rows
 
     path = write_lines(tmp_path / "qa.jsonl", [{"question": "Q: 2+2?\nA: ", "answer": "4", "id": 7}])
@@ -358,7 +359,10 @@ def test_other_column_names_are_read_through_the_column_flags(tmp_path, capsys):
     for flags, words in ((["--dataset_columns", "promt=question"], "'promt' is not a field this recipe reads (did "
                                                                     "you mean 'prompt'?)"),
                          (["--dataset_columns", "prompt"], "'prompt' names no column"),
-                         (["--dataset_text_field", "body", "--dataset_columns", "text=other"], "two columns")):
+                         (["--dataset_text_field", "body", "--dataset_columns", "text=other"], "two columns"),
+                         (["--dataset_columns", "prompt=questoin,completion=answer"], "line 1: --dataset_columns "
+                          "prompt=questoin reads column 'questoin', which this row does not have (did you mean "
+                          "'question'?)")):
         err = user_error(capsys, "run_clm", "--output_dir", tmp_path / "out", "--do_train", "--train_file", path,
                          *flags)
         assert words in err, err

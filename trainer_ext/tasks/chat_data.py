@@ -90,6 +90,13 @@ def row_format(path, number: int, value: dict, columns: Columns) -> str:
     for fmt, names in FORMATS.items():
         if all(columns[name] in value for name in names):
             return fmt
+    absent = [(name, column) for name, column in columns.mapping if column not in value]
+    if absent:  # a column the flags name that the file does not have: most likely mistyped
+        name, column = absent[0]
+        hint = closest(column, [key for key in value if key not in dict(columns.mapping).values()])
+        flag = "--dataset_text_field" if name == "text" else f"--dataset_columns {name}={column}"
+        raise DataError(f"{row(path, number)}: {flag} reads column {column!r}, which this row does not have"
+                        + (f" (did you mean {hint!r}?)" if hint else "") + f"; its fields: {sorted(value)}")
     has = lambda name: columns[name] in value  # noqa: E731
     hint = ("; it has 'prompt' but no 'completion'" if has("prompt") else
             "; it has 'completion' but no 'prompt'" if has("completion") else
