@@ -90,6 +90,23 @@ def test_published_parameter_counts(tmp_path, config, expected):
     assert model_size(str(path)).num_parameters == expected
 
 
+@pytest.mark.parametrize("family, config", [
+    ("bert", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, vocab_size=99)),
+    ("bert", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, vocab_size=99,
+                  max_position_embeddings=40, type_vocab_size=3)),
+    ("gpt2", dict(n_embd=32, n_layer=2, n_head=2, vocab_size=99)),
+    ("gpt2", dict(n_embd=32, n_layer=2, n_head=2, vocab_size=99, n_positions=40, n_inner=48))])
+def test_a_config_counts_what_transformers_builds_from_it(tmp_path, family, config):
+    """A field the formula reads under a wrong name or with a wrong default (the position table, the token types, the
+    MLP width) would miscount every model that sets it, or every one that leaves it out."""
+    from transformers import AutoConfig, AutoModel
+
+    model = AutoModel.from_config(AutoConfig.for_model(family, **config))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": family, **config}))
+    assert model_size(str(path)).num_parameters == sum(p.numel() for p in model.parameters())
+
+
 def test_zero_paper_formulas():
     """Per-rank model states would not follow the ZeRO paper's bytes per parameter and /N partitioning."""
     size, n = ModelSize(10 ** 9, "test"), 8

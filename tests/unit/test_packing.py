@@ -2,6 +2,7 @@
 each sample's own positions and unlabelled first token, and the collator's padding of plain and packed batches."""
 
 import pytest
+import torch
 
 from trainer_ext.data.packing import (CausalLMCollator, PackedRows, best_fit_decreasing, pack, pack_dataset,
                                       padded_length)
@@ -15,6 +16,18 @@ def test_best_fit_decreasing_places_each_sample_in_the_fullest_row_it_fits():
     assert pack([6, 5, 4, 1], 10) == [[0, 2], [1, 3]]  # 4 into the 6's row (room 4), not the 5's (room 5)
     assert pack([4, 4, 4], 10) == [[0, 1], [2]]
     assert pack([10, 10], 10) == [[0], [1]] and pack([], 10) == []
+    assert pack([0, 3], 4) == [[0, 1]] and pack([0], 4) == [[0]]  # an empty sample (a user's own data) fits anywhere
+
+
+def test_best_fit_decreasing_reports_progress_every_65536_samples_and_at_the_end():
+    """The progress line of a large set's packing: a count per 65536 samples placed and the total, none without a
+    callback."""
+    import numpy as np
+
+    calls = []
+    order, starts = best_fit_decreasing(np.ones(131073, dtype=np.int64), 1, calls.append)
+    assert calls == [65536, 131072, 131073] and len(starts) == 131074
+    best_fit_decreasing(np.ones(65536, dtype=np.int64), 1)
 
 
 def test_a_sample_longer_than_a_row_is_refused_naming_both():
@@ -34,6 +47,7 @@ def test_plain_samples_are_right_padded_with_a_mask_and_unlabelled_padding():
     assert {key: value.tolist() for key, value in batch.items()} == {
         "input_ids": [[5, 6, 7, 0], [8, 0, 0, 0]], "labels": [[-100, 6, 7, -100], [8, -100, -100, -100]],
         "attention_mask": [[1, 1, 1, 0], [1, 0, 0, 0]]}
+    assert {value.dtype for value in batch.values()} == {torch.int64}  # a float mask or ids: the model refuses them
 
 
 def test_packed_rows_pad_with_positions_of_their_own_and_flatten_into_one_row():
@@ -49,6 +63,7 @@ def test_packed_rows_pad_with_positions_of_their_own_and_flatten_into_one_row():
     assert {key: value.tolist() for key, value in flat.items()} == {
         "input_ids": [[5, 6, 7, 8, 9, 1]], "labels": [[-100, 6, 7, -100, 9, -100]], "position_ids": [[0, 1, 0, 0, 1, 0]]}
     assert CausalLMCollator(pad_id=1, length=2)(rows)["input_ids"].shape == (2, 3)  # never cut below the longest
+    assert {value.dtype for value in (*batch.values(), *flat.values())} == {torch.int64}  # float positions: refused
 
 
 def test_pack_dataset_packs_a_datasets_dataset_into_rows():
@@ -79,6 +94,7 @@ def test_packed_rows_of_a_token_table_are_best_fit_rows_built_when_read(tmp_path
     table = TokenTable(tmp_path / "tokens.arrow")
     rows = PackedRows(table, *best_fit_decreasing(table.lengths(), 5))
     assert [rows[i] for i in range(len(rows))] == PACKED
-    assert rows[-1] == rows[1]
-    with pytest.raises(IndexError):
-        rows[2]
+    assert rows[-1] == rows[1] and rows[-2] == rows[0]
+    for index in (2, -3):
+        with pytest.raises(IndexError, match=rf"^row {index} of 2$"):
+            rows[index]

@@ -136,6 +136,31 @@ def test_each_pass_is_the_permutation_its_seed_and_pass_number_give():
         assert sampler.data_order(data_pass) == expected
     assert sampler.global_batch_size == 4 and ResumableBatchSampler(37, 4, world_size=2,
                                                                     gradient_accumulation_steps=3).global_batch_size == 24
+    assert ResumableBatchSampler(37, 4).data_order(0) == torch.randperm(  # the seed a user's own sampler gets
+        37, generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def test_reading_the_stream_keeps_the_permutations_of_this_pass_and_the_one_before():
+    """Every sample read looks its pass's permutation up: none kept would draw a randperm per sample (quadratic), all
+    kept would hold one per pass of a long run; an epoch spans two passes and is read again when iterated again."""
+    sampler = ResumableBatchSampler(5, 2, seed=1)
+    assert [sampler.sample_at(position) for position in range(40)][35:] == sampler.data_order(7)
+    assert sorted(sampler._orders) == [6, 7]
+
+
+def test_an_empty_training_set_and_a_rank_outside_the_world_are_refused():
+    """An empty training set would train on nothing: one line naming the fix; a rank outside the world size would
+    read another rank's samples. One sample is a training set."""
+    from trainer_ext.errors import UserError
+
+    with pytest.raises(UserError) as empty:
+        ResumableBatchSampler(0, 2)
+    assert str(empty.value) == "the training set is empty: give a train_dataset with at least one sample"
+    assert list(ResumableBatchSampler(1, 1)) == [[0]]
+    for rank in (2, -1):
+        with pytest.raises(ValueError) as outside:
+            ResumableBatchSampler(8, 2, rank=rank, world_size=2)
+        assert str(outside.value) == f"rank {rank} is outside world size 2"
 
 
 def test_a_global_batch_larger_than_the_data_is_refused_with_a_batch_that_fits(monkeypatch, capsys):
@@ -162,6 +187,8 @@ def test_a_global_batch_larger_than_the_data_is_refused_with_a_batch_that_fits(m
     assert samplers.global_batch_problem(one, 1, 1).endswith(
         "(e.g. --per_device_train_batch_size 1 and --gradient_accumulation_steps 1), add data, or pass "
         "--repeat_small_dataset to train on it repeated")
+    fits_once = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=4, process_index=0)
+    assert "(e.g. --gradient_accumulation_steps 1)" in samplers.global_batch_problem(fits_once, 10, 2)
     wide = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=1, process_index=0)
     assert "(e.g. --per_device_train_batch_size 5 and --gradient_accumulation_steps 1)" in \
         samplers.global_batch_problem(wide, 20, 4)
@@ -171,3 +198,25 @@ def test_a_global_batch_larger_than_the_data_is_refused_with_a_batch_that_fits(m
     monkeypatch.setattr(samplers, "_SAID", set())
     assert samplers.global_batch_problem(SimpleNamespace(**vars(repeat) | {"process_index": 1}), 20, 2) is None
     assert capsys.readouterr().out == ""
+
+
+def test_the_repeated_small_dataset_notice_is_flushed_when_said(monkeypatch):
+    """Printed before training, in a launched rank's block-buffered stdout: unflushed, it would show up after the run's
+    own lines (or never, if the run is killed)."""
+    import io
+    import sys
+    from types import SimpleNamespace
+
+    from trainer_ext.data import samplers
+
+    class Stdout(io.StringIO):
+        def flush(self):
+            flushed.append(self.getvalue())
+
+    flushed = []
+    monkeypatch.setattr(samplers, "_SAID", set())
+    monkeypatch.setattr(sys, "stdout", Stdout())
+    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=1, process_index=0,
+                           repeat_small_dataset=True)
+    assert samplers.global_batch_problem(args, 3, 1) is None
+    assert len(flushed) == 1 and flushed[0].startswith("trainer_ext: a global batch of 4 samples")

@@ -1,5 +1,7 @@
 """ExtTrainer pieces checked in one process against hand computations: losses, sampler, optimizer groups."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -208,6 +210,9 @@ def test_settings_come_from_the_flags_a_user_gave(tmp_path):
                                 lr_scheduler_kwargs={"num_cycles": 2})
     assert OptimizerSettings.from_args(args) == OptimizerSettings(3e-4, (0.8, 0.95), 1e-6, 0.01)
     assert SchedulerSettings.from_args(args) == SchedulerSettings("cosine_with_restarts", 0.2, {"num_cycles": 2})
+    assert f"{SchedulerSettings.from_args(args).type}" == "cosine_with_restarts"  # the name, not SchedulerType.COS...
+    stock = SimpleNamespace(lr_scheduler_type="cosine", warmup_steps=3, lr_scheduler_kwargs=None)  # a name as given
+    assert SchedulerSettings.from_args(stock) == SchedulerSettings("cosine", 3, {})
     assert SchedulerSettings() == SchedulerSettings("linear", 0, {}) and OptimizerSettings().lr == 5e-5
 
 

@@ -161,6 +161,35 @@ def test_fp16_and_bf16_together():
     """fp16 on in the file and --bf16 on the command line must be refused, asking the user to choose one."""
     [problem] = problems({"bf16": True}, {"fp16": {"enabled": True}})
     assert "fp16.enabled" in problem and "bf16.enabled" in problem and "--bf16" in problem
+    assert problems({}, {"fp16": {"enabled": True}, "bf16": {"enabled": True}}) == [
+        "fp16.enabled and bf16.enabled are both true (fp16 from file (--fp16 left at default false, now true), bf16 "
+        "from file (--bf16 left at default false, now true)): choose one precision"]
+
+
+def test_fp16_typed_with_use_cpu_is_the_flags_mistake_not_the_files():
+    """--fp16 --use_cpu is refused by the flag check, naming the two flags; the DeepSpeed file's message (set
+    fp16.enabled to "auto") is for an fp16 that only the file turned on."""
+    from types import SimpleNamespace
+
+    typed = SimpleNamespace(fp16=True, use_cpu=True, flags_given={"fp16"})
+    assert resolve_deepspeed_config(typed, {"fp16": {"enabled": "auto"}}, world_size=1).config["fp16"]["enabled"]
+    [problem] = problems(SimpleNamespace(use_cpu=True, flags_given=set()), {"fp16": {"enabled": True}})
+    assert problem.startswith("fp16 needs a CUDA device and --use_cpu trains on the CPU — fp16 comes from the "
+                              "DeepSpeed file's fp16.enabled")
+
+
+def test_a_dynamic_fp16_loss_scale_needs_a_positive_window_and_floor():
+    """DeepSpeed's dynamic loss scale (fp16.loss_scale 0) divides by loss_scale_window and floors at min_loss_scale: 0
+    in either fails inside the engine once the model is built; a static scale reads neither."""
+    def fp16(**block):
+        return {"fp16": {"enabled": True, "loss_scale": 0, **block}}
+
+    rule = ("must be > 0 while the loss scale is dynamic (fp16.loss_scale 0), as DeepSpeed requires: fix the value, or "
+            "remove the key for the default")
+    assert problems({}, fp16(loss_scale_window=0)) == [f"fp16.loss_scale_window=0: {rule} 1000"]
+    assert problems({}, fp16(min_loss_scale=0, loss_scale_window=1)) == [f"fp16.min_loss_scale=0: {rule} 1"]
+    static = fp16(loss_scale=128, loss_scale_window=0, min_loss_scale=0)
+    assert resolve_deepspeed_config({}, static, world_size=1).config["fp16"]["loss_scale_window"] == 0
 
 
 def test_apex_backend_is_rejected_with_the_alternative():
@@ -181,6 +210,13 @@ def test_scheduler_type_conflicting_with_flag():
     assert "scheduler.type=WarmupLR" in problem and "--lr_scheduler_type cosine" in problem
 
 
+def test_an_unknown_scheduler_type_lists_deepspeeds_and_guesses_only_when_one_is_close():
+    """A "did you mean" with nothing close would send the user to a wrong name."""
+    assert problems({}, {"scheduler": {"type": "Foo"}}) == [
+        'scheduler.type "Foo" is not a DeepSpeed scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, '
+        'LRRangeTest)']
+
+
 def test_warmup_conflict_names_both():
     """--warmup_steps against the file's warmup_num_steps must name both values, not silently keep one."""
     [problem] = problems({"warmup_steps": 10}, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 50}}})
@@ -191,8 +227,9 @@ def test_optimizer_and_scheduler_peak_rate_disagree():
     """A file whose lr and warmup_max_lr differ trains at warmup_max_lr after warmup; the mismatch must be named."""
     config = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-5}},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-4}}}
-    [problem] = problems({}, config)
-    assert "optimizer.params.lr=3e-05" in problem and "warmup_max_lr=0.0001" in problem
+    assert problems({}, config) == [
+        "optimizer.params.lr=3e-05 and scheduler.params.warmup_max_lr=0.0001 disagree (after warmup the rate is "
+        'warmup_max_lr): make them equal or set both to "auto"']
 
 
 def test_missing_step_count_says_how_to_give_it():
@@ -389,3 +426,48 @@ def test_phase_two_never_turns_a_derived_schedule_into_a_file_value(schedule):
     first = phase_one(flags, {}, world_size=2)
     done = finish_deepspeed_config(first, flags, world_size=2, num_training_steps=30)
     assert "auto" not in json.dumps(done.config) and done.effective_flags == first.effective_flags
+
+
+@pytest.mark.parametrize("flags,config,world_size,problem", [
+    ({}, {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 1,
+     "train_batch_size=12, train_micro_batch_size_per_gpu=4 and gradient_accumulation_steps=2 in the file cannot hold "
+     "at world size 1: 4 × 2 × 1 rank = 8, not 12. To make them agree, in the file set train_batch_size to 8 or "
+     "train_micro_batch_size_per_gpu to 6 or gradient_accumulation_steps to 3"),
+    ({}, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 2,
+     "train_batch_size=8, train_micro_batch_size_per_gpu=4 and gradient_accumulation_steps=2 in the file cannot hold "
+     "at world size 2: 4 × 2 × 2 ranks = 16, not 8 (they hold on 1 rank). To make them agree, in the file set "
+     "train_batch_size to 16 or train_micro_batch_size_per_gpu to 2 or gradient_accumulation_steps to 1"),
+    ({}, {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 32,
+     "train_batch_size=64, train_micro_batch_size_per_gpu=4 and gradient_accumulation_steps=2 in the file cannot hold "
+     "at world size 32: 4 × 2 × 32 ranks = 256, not 64 (they hold on 8 ranks); 64 is not a multiple of "
+     "train_micro_batch_size_per_gpu × world size = 4 × 32, so no gradient_accumulation_steps can fix it. To make "
+     "them agree, in the file set train_batch_size to 256 or train_micro_batch_size_per_gpu to 1"),
+    ({}, {"train_batch_size": 20, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 3,
+     "train_batch_size=20, train_micro_batch_size_per_gpu=4 and gradient_accumulation_steps=2 in the file cannot hold "
+     "at world size 3: 4 × 2 × 3 ranks = 24, not 20; 20 is not a multiple of train_micro_batch_size_per_gpu × world "
+     "size = 4 × 3, so no gradient_accumulation_steps can fix it. To make them agree, in the file set "
+     "train_batch_size to 24"),
+    ({}, {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 2,
+     "train_batch_size=4, train_micro_batch_size_per_gpu=4 and gradient_accumulation_steps=2 in the file cannot hold "
+     "at world size 2: 4 × 2 × 2 ranks = 16, not 4; 4 is not a multiple of train_micro_batch_size_per_gpu × world "
+     "size = 4 × 2, so no gradient_accumulation_steps can fix it. To make them agree, in the file set "
+     "train_batch_size to 16 or train_micro_batch_size_per_gpu to 1"),
+    ({}, {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2,
+     "train_batch_size=16, train_micro_batch_size_per_gpu=4 and gradient_accumulation_steps=3 in the file cannot hold "
+     "at world size 2: 4 × 3 × 2 ranks = 24, not 16. To make them agree, in the file set train_batch_size to 24 or "
+     "gradient_accumulation_steps to 2"),
+    ({}, {"train_batch_size": 64, "gradient_accumulation_steps": 3}, 2,
+     "train_batch_size=64 and gradient_accumulation_steps=3 in the file cannot hold at world size 2: "
+     "train_micro_batch_size_per_gpu=8 (default --per_device_train_batch_size) × 3 × 2 ranks = 48, not 64. To make "
+     "them agree, in the file set train_batch_size to 48 or gradient_accumulation_steps to 4"),
+    ({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}, {"train_batch_size": 8}, 2,
+     "train_batch_size=8 in the file cannot hold at world size 2: train_micro_batch_size_per_gpu=4 (flag "
+     "--per_device_train_batch_size) × gradient_accumulation_steps=2 (flag --gradient_accumulation_steps) × 2 ranks "
+     "= 16, not 8 (they hold on 1 rank). To make them agree, set --per_device_train_batch_size 2 or "
+     "--gradient_accumulation_steps 1, or in the file set train_batch_size to 16")])
+def test_batch_fields_that_cannot_hold_say_which_values_would(flags, config, world_size, problem):
+    """Worked by hand: the product, the rank count the fields hold on, and each value (flag or file) that makes the
+    product train_batch_size, or none when the micro batch cannot divide it; a wrong one sends the user to a second
+    failed launch."""
+    assert problems(flags, config, world_size=world_size) == [f'{problem} (or set train_batch_size to "auto")']
+    assert problems({}, {"train_batch_size": -4}) == ["train_batch_size must be a positive integer, got -4"]

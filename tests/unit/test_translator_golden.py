@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from trainer_ext.config.batch import settle
 from trainer_ext.deepspeed_config import DeepSpeedConfigError, explain, finish_deepspeed_config, resolve_deepspeed_config
 
 GOLDEN = Path(__file__).with_name("translator_golden.txt")
@@ -22,6 +23,7 @@ def typed(**flags):
 LEGACY_ZERO3 = {"stage": 3, "cpu_offload_param": True, "cpu_offload_use_pin_memory": True, "cpu_offload": True,
                 "stage3_gather_fp16_weights_on_model_save": True, "max_live_parameters": 2e8,
                 "prefetch_bucket_size": "auto", "sub_group_size": 1e9}
+WARMUP_AUTO = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto", "warmup_type": "linear"}}}
 # name -> (flags, config, keyword arguments of resolve_deepspeed_config, phase 2's (world size, steps, hidden size))
 CASES = {
     "the classic file, nothing typed (ds-config)": (typed(), "zero2", dict(world_size=2, num_training_steps=100), None),
@@ -111,6 +113,35 @@ CASES = {
         None),
     "a scheduler given as a name, not an object": (
         dict(warmup_steps=10), {"scheduler": "WarmupLR"}, {}, None),
+    "a file scheduler's auto warmup, nothing typed": (typed(), WARMUP_AUTO, dict(world_size=1, num_training_steps=100),
+                                                      None),
+    "... from --warmup_ratio": (typed(warmup_ratio=0.2), WARMUP_AUTO, dict(world_size=1, num_training_steps=100), None),
+    "... from --warmup_steps 1": (typed(warmup_steps=1), WARMUP_AUTO, dict(world_size=1, num_training_steps=100), None),
+    "--global_batch_size 32 kept on 2 ranks": (
+        dict(global_batch=settle(8, 1, 2, global_batch_size=32), per_device_train_batch_size=8), {},
+        dict(world_size=2, num_training_steps=100), None),
+    "... against a file that pins the accumulation": (
+        dict(global_batch=settle(8, 1, 2, global_batch_size=32), per_device_train_batch_size=8),
+        {"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 8}, dict(world_size=2, num_training_steps=100),
+        None),
+    "a file scheduler without params": (
+        {}, {"scheduler": {"type": "WarmupDecayLR"}}, dict(world_size=1, num_training_steps=100), None),
+    "... with its own step count": (
+        {}, {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 50}}},
+        dict(world_size=1, num_training_steps=100), None),
+    "--lr_scheduler_type constant with --warmup_steps 10: a constant rate, as transformers' constant": (
+        dict(lr_scheduler_type="constant", warmup_steps=10), {}, dict(world_size=1, num_training_steps=100), None),
+    "linear with --warmup_ratio 0.1 over 100 steps": (
+        dict(warmup_ratio=0.1), {}, dict(world_size=1, num_training_steps=100), None),
+    "... at argument time, then 100 steps": (dict(warmup_ratio=0.1), {}, dict(world_size=1, final=False), (1, 100, None)),
+    "linear with one warmup step: left to the Trainer": (
+        dict(warmup_steps=1), {}, dict(world_size=1, num_training_steps=100), None),
+    "constant with --warmup_ratio 0.1 over 100 steps": (
+        dict(lr_scheduler_type="constant", warmup_ratio=0.1), {}, dict(world_size=1, num_training_steps=100), None),
+    "constant with --warmup_ratio 0.1 at argument time, then 100 steps": (
+        dict(lr_scheduler_type="constant", warmup_ratio=0.1), {}, dict(world_size=1, final=False), (1, 100, None)),
+    "stock arguments giving both warmups: the steps win, as in transformers 4": (
+        dict(warmup_steps=5, warmup_ratio=0.1), {}, dict(world_size=1, num_training_steps=100), None),
 }
 
 
