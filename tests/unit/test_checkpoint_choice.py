@@ -35,6 +35,16 @@ def names(paths):
     return [path.name for path in paths]
 
 
+def test_checkpoints_live_in_checkpoint_dir_when_set_else_in_output_dir():
+    """A SageMaker job sets --checkpoint_dir (the folder SageMaker syncs to S3); otherwise output_dir holds them."""
+    from types import SimpleNamespace
+
+    assert checkpoint_format.checkpoint_folder(SimpleNamespace(checkpoint_dir="/opt/ml/checkpoints",
+                                                               output_dir="out")) == "/opt/ml/checkpoints"
+    assert checkpoint_format.checkpoint_folder(SimpleNamespace(checkpoint_dir=None, output_dir="out")) == "out"
+    assert checkpoint_format.checkpoint_folder(SimpleNamespace(output_dir="out")) == "out"  # stock arguments
+
+
 def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
     """Sorted by name, checkpoint-9 comes after checkpoint-10 and checkpoint-100: a resume would go back 91 steps."""
     for step in (100, 9, 10):

@@ -7,8 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer_ext.training.losses import (EvaluationLosses, NumItemsProbe, shifts_labels, sliced, takes_num_items,
-                                         target_counts, token_cross_entropy, token_labels)
+import functools
+
+from trainer_ext.training.losses import (EvaluationLosses, NumItemsProbe, finite_for_logging, shifts_labels, sliced,
+                                         takes_num_items, target_counts, token_cross_entropy, token_labels)
 
 # Two samples of 5 tokens: the first padded at its end (-100), the second with its prompt unlabelled (-100).
 LABELS = torch.tensor([[11, 12, 13, -100, -100],
@@ -235,6 +237,42 @@ def test_no_move_copy_view_or_question_about_the_count_reads_it():
         assert not NumItemsProbe.read, name
     assert not untouched(lambda t: t + 0) and not untouched(lambda t: t.clamp(min=1)) and not untouched(
         lambda t: t.item())
+
+
+def test_a_move_keeps_its_keyword_arguments_and_a_nameless_callable_reads_the_count():
+    """A move passes its keywords on (`.to(dtype=...)` converts, still unread); a callable torch hands over without a
+    name is not one of the moves, so it counts as a read."""
+    probe = NumItemsProbe.of(8)
+    assert probe.to(dtype=torch.float64).dtype == torch.float64 and not NumItemsProbe.read
+    nameless = functools.partial(torch.add)
+    assert NumItemsProbe.__torch_function__(nameless, (NumItemsProbe,), (probe, 1)).item() == 9
+    assert NumItemsProbe.read
+
+
+def _in_loop(summed=6.0, global_step=5, last_logged=2, nan_filter=True):
+    """What transformers' training loop holds when a step's loss comes back: the loss summed on the device since the
+    last log and the steps it will be divided by (1 + 5 - 2 = 4 here)."""
+    return SimpleNamespace(_tr_loss=torch.tensor(summed), state=SimpleNamespace(global_step=global_step),
+                           _globalstep_last_logged=last_logged, args=SimpleNamespace(logging_nan_inf_filter=nan_filter))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_step_loss_logs_as_the_mean_since_the_last_log(bad):
+    """transformers' --logging_nan_inf_filter, done on the device: a NaN or infinite step loss counts as the mean of
+    what was summed since the last log (6 / 4); the result answers transformers' own isnan/isinf check False without a
+    host read."""
+    out = finite_for_logging(_in_loop(), torch.tensor(bad))
+    assert out.item() == 1.5 and torch.isnan(out) is False and torch.isinf(out) is False
+
+
+def test_a_finite_step_loss_is_kept_and_nothing_is_filtered_when_not_asked():
+    trainer = _in_loop()
+    out = finite_for_logging(trainer, torch.tensor(0.25))
+    assert out.item() == 0.25 and torch.isnan(out) is False
+    nan = torch.tensor(float("nan"))
+    assert finite_for_logging(_in_loop(nan_filter=False), nan) is nan  # --logging_nan_inf_filter false: as logged
+    assert finite_for_logging(SimpleNamespace(args=trainer.args), nan) is nan  # outside transformers' loop
+    assert finite_for_logging(trainer, 0.5) == 0.5  # a Python number (a custom training_step's) is left alone
 
 
 def test_a_loss_fn_takes_num_items_only_when_it_names_the_parameter():

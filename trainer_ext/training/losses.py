@@ -99,7 +99,7 @@ class NumItemsProbe(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", None) in cls.PASSING:
-            return super().__torch_function__(func, types, args, kwargs or {})
+            return super().__torch_function__(func, types, args, kwargs)  # torch's own reads None as no keywords
         cls.read = True
         with internals.torch_function_subclass_disabled():  # the result is a plain tensor: the loss stays one
             return func(*args, **(kwargs or {}))
