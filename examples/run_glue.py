@@ -5,31 +5,12 @@ With no --model_name_or_path it uses the pretrained MiniLM shipped by the PyPI p
 with no data files, the classification set shipped in data/classification/. The recipe itself is
 trainer_ext.tasks.classification (also behind `trainer-ext train experiment.yaml`)."""
 
-from __future__ import annotations
-
-import logging
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run from a source checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without installing
+from trainer_ext.tasks.driver import script  # noqa: E402
 
-# Hub access is left as the user set it: a Hub name works online; the default model and data are local (offline,
-# HF_HUB_OFFLINE=1 makes a Hub name fail at once instead of after the network's time-outs).
-
-from trainer_ext import ExtArgumentParser, ExtTrainingArguments  # noqa: E402
-from trainer_ext.errors import exit_process, user_errors  # noqa: E402
-from trainer_ext.tasks.classification import DataArguments, ModelArguments, run  # noqa: E402
-
-
-def main(argv=None):
-    parser = ExtArgumentParser((ModelArguments, DataArguments, ExtTrainingArguments))
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(argv)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
-    with user_errors(parser.prog):  # a bad flag, path or file found once data or model are read: one line, exit 2
-        return run(model_args, data_args, training_args)
-
-
-if __name__ == "__main__":
-    main()
-    exit_process(0)  # a finished rank ends without interpreter teardown, where gloo's threads can abort it
+# main(argv=None): the task's flags, its recipe (trainer_ext.tasks.classification), its report; a user's mistake is one line
+# and exit status 2. Run as a script (python, torchrun, deepspeed, SageMaker), it runs here.
+main = script("classification", __name__)

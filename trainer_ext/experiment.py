@@ -13,7 +13,8 @@ from typing import Any, Literal, Sequence
 from .backends import backend_flags, owned_flags
 from .errors import ArgumentsError
 from .config.optimizer import OptimizerSettings, SchedulerSettings
-from .tasks import TASKS, TRAINING_ARGUMENTS
+from .tasks import TASKS
+from .tasks.driver import argument_classes
 from .config.values import WrongType, did_you_mean, field_types, read_as
 
 BACKENDS = set(backend_flags())  # a top-level section each: `deepspeed: zero2_minimal`, `sharded_ddp: simple`
@@ -108,13 +109,6 @@ def load_experiment(source, argv: Sequence[str] = (), folder=None) -> Experiment
     if problems:
         raise ExperimentError("\n".join(problems))
     return Experiment(task, *arguments, given=given)
-
-
-def argument_classes(task: str) -> tuple:
-    """The task's ModelArguments, DataArguments and training arguments dataclasses."""
-    recipe = import_module(TASKS[task])
-    module, name = TRAINING_ARGUMENTS.get(task, ("trainer_ext.config.flags", "ExtTrainingArguments"))
-    return recipe.ModelArguments, recipe.DataArguments, getattr(import_module(module), name)
 
 
 def flag_types(classes) -> dict:

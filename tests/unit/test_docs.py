@@ -12,14 +12,15 @@ PAGES = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").g
 
 
 def example_tasks() -> dict[str, str]:
-    """{examples/run_*.py: the task (trainer_ext.tasks.TASKS) whose recipe it runs}, read from each script's import of
-    the recipe: a new example or task is checked without a list here to keep (causal_lm and dpo were missed)."""
+    """{examples/run_*.py: the task (trainer_ext.tasks.TASKS) whose recipe it runs}, read from each script's
+    `script("<task>", __name__)`: a new example or task is checked without a list here to keep (causal_lm and dpo
+    were missed)."""
     from trainer_ext.tasks import TASKS
 
     found = {}
     for script in sorted((REPO / "examples").glob("run_*.py")):
-        named = set(re.findall(r"^from trainer_ext\.tasks\.(\w+) import", script.read_text(), re.M)) & set(TASKS)
-        assert len(named) == 1, f"{script.name}: imports the recipes {sorted(named)}"
+        named = set(re.findall(r"^main = script\(\"(\w+)\", __name__\)", script.read_text(), re.M)) & set(TASKS)
+        assert len(named) == 1, f"{script.name}: runs the recipes {sorted(named)}"
         found[script.name] = named.pop()
     return found
 

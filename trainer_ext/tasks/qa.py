@@ -400,3 +400,16 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     if training_args.do_eval:
         evaluate("eval")
     return results
+
+
+def report(results: dict, training_args) -> None:
+    """What the example prints on the main process: exact match and F1 before and after training, where the model
+    went."""
+    from .common import say_model_saved
+
+    labels = {"eval_before": " before training", "eval": " after training" if training_args.do_train else ""}
+    for prefix, label in labels.items():
+        if f"{prefix}_f1" in results:
+            print(f"validation{label}: exact match {results[f'{prefix}_exact_match']:.2f}, "
+                  f"F1 {results[f'{prefix}_f1']:.2f}", flush=True)
+    say_model_saved(training_args)

@@ -308,6 +308,7 @@ def bleu_metrics(prediction, tokenizer) -> dict:
 def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> dict:
     """Train and/or evaluate as the flags ask; returns every metric. Rank 0 writes `{split}_results.json` and
     the generated texts (`generated_eval_before.txt`, `generated_eval.txt`, `generated_predictions.txt`)."""
+    import transformers
     from transformers import DataCollatorForSeq2Seq, set_seed
 
     from ..training.prepare import prepare_process, sharded_loading
@@ -315,6 +316,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
 
     from .common import check_best_metric, check_output_dir, check_something_to_do
 
+    transformers.utils.logging.set_verbosity_warning()
     check_output_dir(training_args, model_args.model_name_or_path)
     check_something_to_do(training_args, data_args)
     check_best_metric(training_args, EVAL_METRICS)
@@ -356,3 +358,15 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     if training_args.do_predict:
         score("test", "predict", "generated_predictions.txt")
     return results
+
+
+def report(results: dict, training_args) -> None:
+    """What the example prints on the main process: BLEU before and after training and on the test set, where the
+    model went."""
+    from .common import say_model_saved
+
+    for prefix, when in (("eval_before", "before training"), ("eval", "after training"), ("predict", "test")):
+        if f"{prefix}_bleu" in results:
+            print(f"validation BLEU {when}: {results[f'{prefix}_bleu']:.2f}" if prefix != "predict" else
+                  f"test BLEU: {results['predict_bleu']:.2f}", flush=True)
+    say_model_saved(training_args)
