@@ -37,7 +37,7 @@ from .integrations import internals
 from .integrations.internals import PrivateTrainerHooks
 from .checkpoints.policy import RunCheckpoints, checkpoint_folder, weights_and_step
 from .checkpoints.restarts import RestartReport, failure, note_stop
-from .environment.sagemaker import save_final_model
+from .checkpoints.final_model import save_final_model
 from .training.prepare import prepare_process
 from .environment.launcher import check_process_group, release_at_exit
 from .search.callback import trial_callback

@@ -119,10 +119,6 @@ BACK_UP = {
         "--resume_from_checkpoint is read at parsing (resume_request, CheckpointNotFoundError): one line before loading",
     ("trainer_ext.config.flags", "trainer_ext.checkpoints.restarts"):
         "the global batch a resumed run keeps (resumed_order_state) is settled with the other batch fields",
-    ("trainer_ext.environment.sagemaker", "trainer_ext.backends"):
-        "a job's checkpoint sync copies each backend's state files (checkpoint_state_patterns)",
-    ("trainer_ext.environment.sagemaker", "trainer_ext.checkpoints.format"):
-        "SageMaker's model folder takes the final weights of the newest complete checkpoint (MARKER, loadable_weights)",
     ("trainer_ext.trainer", "trainer_ext.search.callback"):
         "a search trial is the user's own script, started by the search: the trial's callback is found from the "
         "process's environment (TRAINER_EXT_TRIAL), as no caller can pass it in",

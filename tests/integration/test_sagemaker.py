@@ -15,6 +15,7 @@ import pytest
 from conftest import (BIN, REPO, _check_markers, clean_env, free_port, logged, max_weight_difference, run, scratch,
                       tiny_bert)
 
+from trainer_ext.checkpoints.final_model import save_final_model
 from trainer_ext.checkpoints.format import MARKER, checkpoint_step, newest_valid_checkpoint
 from trainer_ext.config.settings import write
 from trainer_ext.environment import sagemaker
@@ -351,18 +352,18 @@ def test_the_final_model_reaches_sm_model_dir_but_never_over_the_scripts(in_job,
         (checkpoint / name).write_text("training state")
     (checkpoint / "global_step6").mkdir()
     trainer.training_already_complete = checkpoint
-    assert sagemaker.save_final_model(trainer, finished_before=True) == model
+    assert save_final_model(trainer, finished_before=True) == model
     assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors", "training_args.bin"]
     assert max_weight_difference(model, checkpoint) == 0
     assert f"the finished run's model ({checkpoint}) is copied to {model}" in capsys.readouterr().out
     (model / "model.safetensors").write_bytes(b"the script's own model")
-    assert sagemaker.save_final_model(trainer, finished_before=True) == model
+    assert save_final_model(trainer, finished_before=True) == model
     assert (model / "model.safetensors").read_bytes() == b"the script's own model" and not capsys.readouterr().out
-    assert sagemaker.save_final_model(trainer) == model  # training has just ended: its model is the final one
+    assert save_final_model(trainer) == model  # training has just ended: its model is the final one
     assert max_weight_difference(model, checkpoint) == 0
     assert f"the final model is saved in {model}" in capsys.readouterr().out
     trainer.args.output_dir = str(in_job / "mine")
-    assert sagemaker.save_final_model(trainer) is None and not (in_job / "mine").exists()
+    assert save_final_model(trainer) is None and not (in_job / "mine").exists()
 
 
 @pytest.mark.fairscale
