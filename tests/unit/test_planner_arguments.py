@@ -2,7 +2,8 @@
 with the field, the value and the fix (issue 45: these mutants survived the unit run)."""
 import pytest
 
-from trainer_ext.planner import LoRA, ModelSize, PlanError, plan
+from trainer_ext.planner import (DecoderShape, LoRA, ModelSize, PlanError, activation_note, decoder_activation_bytes,
+                                 formulas, plan)
 
 SIZE = ModelSize(1000, "test", hidden_size=4, num_layers=2, num_heads=2)
 
@@ -43,3 +44,42 @@ def test_plan_without_shape_notes_activations_not_estimated():
     got = plan(ModelSize(1000, "test"), 1)
     assert ("activations not estimated: the model's hidden size, layers and heads are unknown "
             "(give a folder or config.json with them)") in got.notes
+
+
+# A decoder whose MLP projections hold exactly ZeRO-3's persistence threshold (10·h = 320 elements each).
+EDGE = DecoderShape("llama", 32, 2, 4, 2, 8, 10, 96, False)
+EDGE_SIZE = ModelSize(50_000, "test", hidden_size=32, num_layers=2, num_heads=4, decoder=EDGE)
+
+
+def test_plan_carries_each_backends_formula_and_the_run_it_was_asked_for():
+    """Each row would lose its backend's flag, communication, CUDA-only mark, note or activations' settings (autocast,
+    inputs kept by every Linear), or the plan the device memory, the activation note, LoRA, offload or checkpointing
+    it was asked for."""
+    lora = LoRA(8, ("q_proj", "v_proj"))
+    got = plan(EDGE_SIZE, 2, "bf16", offload=True, batch_size=2, seq_length=16, device_memory=1e12,
+               attention="eager", lora=lora, gradient_checkpointing=True, chunked_loss=False)
+    rows = formulas(True)
+    assert [(e.backend, e.flag, e.communication, e.cuda_only, e.note) for e in got.estimates] == [
+        (f.name, f.flag, f.communication, f.cuda_only, f.note) for f in rows]
+    assert [e.activations for e in got.estimates] == [
+        decoder_activation_bytes(EDGE, 2, 16, 2, f.autocast, lora, True, "eager", f.linears_keep_inputs,
+                                 chunked_loss=False).peak for f in rows]
+    assert len({e.activations for e in got.estimates}) > 1  # autocast and kept inputs change the peak
+    assert (got.device_memory, got.lora, got.offload, got.gradient_checkpointing) == (1e12, lora, True, True)
+    assert got.activation_formula == activation_note(EDGE_SIZE, "eager", lora, True, True, False)
+
+
+def test_an_offloaded_row_holds_its_parameters_and_optimizer_on_the_host_and_fits_at_exactly_the_device():
+    """ZeRO-3 offload's host bytes would count only the parameters (or only the optimizer); a tensor of exactly the
+    persistence threshold would be kept whole; a device of exactly a row's bytes would not fit it."""
+    got = plan(EDGE_SIZE, 2, "bf16", offload=True, batch_size=2, seq_length=16)
+    by_name = {e.backend: e for e in got.estimates}
+    row = next(f for f in formulas(True) if f.name == "zero3_offload")
+    terms = row.bytes(50_000, 2)
+    assert by_name["zero3_offload"].host == terms["grads"] + terms["optimizer"] + terms["params"]
+    zero3, plain = by_name["zero3"], next(f for f in formulas(True) if f.name == "zero3").bytes(50_000, 2)
+    whole = [n for n in EDGE.parameter_tensors() if n < 320]  # the norms: 32 each; the 320-element MLPs are sharded
+    assert 320 in EDGE.parameter_tensors() and zero3.params == plain["params"] + 2 * sum(whole)
+    first = got.estimates[0]
+    exactly = plan(EDGE_SIZE, 2, "bf16", batch_size=2, seq_length=16, device_memory=first.device_total)
+    assert exactly.estimates[0].fits is True and exactly.cheapest_fitting().backend == first.backend
