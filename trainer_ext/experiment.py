@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from importlib import import_module
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -14,7 +13,7 @@ from .backends import backend_flags, owned_flags
 from .errors import ArgumentsError
 from .config.optimizer import OptimizerSettings, SchedulerSettings
 from .tasks import TASKS
-from .tasks.driver import argument_classes
+from .tasks.driver import argument_classes, run_task
 from .config.values import WrongType, did_you_mean, field_types, read_as
 
 BACKENDS = set(backend_flags())  # a top-level section each: `deepspeed: zero2_minimal`, `sharded_ddp: simple`
@@ -53,7 +52,7 @@ class Experiment:
     given: dict = dataclasses.field(default_factory=dict)
 
     def run(self) -> dict:
-        return import_module(TASKS[self.task]).run(self.model_args, self.data_args, self.training_args)
+        return run_task(self.task, self.model_args, self.data_args, self.training_args)
 
     def resolved(self) -> dict:
         """What would run (`--check`): every model and data field, each training field the file or flags set."""

@@ -6,6 +6,7 @@ byte-level tokenizer built offline (written once to the cache folder and loaded 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from .common import REPO
 from .common import ModelArguments as CommonModelArguments
 from .common import (check_data_files, check_sample_limits, nearby, train_and_validation_files,
                      with_channels)
+from .driver import run_task
 
 SHIPPED_DATA = REPO / "data" / "causal_lm"
 EVAL_METRICS = ("loss", "token_accuracy")  # evaluation also reports perplexity (exp of the loss), after it
@@ -540,24 +542,22 @@ def token_accuracy(prediction) -> dict:
 
 
 # -- entry point -----------------------------------------------------------------------------------------------------
-def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> dict:
-    """Fine-tune and/or evaluate a causal LM with ExtTrainer; returns the metrics. Writes {train,eval,eval_before}_
-    results.json; the output holds the model (or with LoRA the adapter; `trainer-ext merge` folds it into full
-    weights)."""
+STEPS = ("do_train", "do_eval")
+
+
+def setup(model_args: ModelArguments, data_args: DataArguments, training_args):
+    """A causal LM fine-tuned and/or evaluated with ExtTrainer (trainer_ext.tasks.driver runs the steps). Writes
+    {train,eval,eval_before}_results.json; the output holds the model (or with LoRA the adapter; `trainer-ext merge`
+    folds it into full weights)."""
     from transformers import set_seed
 
     from ..data.packing import CausalLMCollator
-    from ..training.prepare import prepare_process
     from ..trainer import ExtTrainer
     from .chat_data import ChatFile
-    from .common import (check_best_metric, check_output_dir, check_sequence_length, check_something_to_do,
-                         evaluate_and_train, load_tokenizer)
+    from .common import check_sequence_length, load_tokenizer
     from .data_checks import say_once
+    from .driver import Prepared
 
-    check_output_dir(training_args, model_args.model_name_or_path)
-    check_something_to_do(training_args, data_args, steps=("do_train", "do_eval"))
-    check_best_metric(training_args, EVAL_METRICS)
-    prepare_process(training_args)
     files = data_args.files(training_args)
     columns = data_args.columns()
     sources = {split: ChatFile(path, columns) for split, path in files.items()}  # each file's format, its first row
@@ -599,5 +599,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
         loss = metrics.get(f"{prefix}_loss")
         return {} if loss is None else {f"{prefix}_perplexity": math.exp(loss) if loss < 700 else float("inf")}
 
-    return evaluate_and_train(trainer, training_args, data_args, splits["train"].samples if "train" in splits else 0,
-                              perplexity)
+    return Prepared(trainer, splits["train"].samples if "train" in splits else 0, more_metrics=perplexity)
+
+
+# The whole recipe, as the examples and experiment files run it (run(model_args, data_args, training_args) -> metrics).
+run = functools.partial(run_task, "causal_lm")

@@ -3,6 +3,7 @@ accuracy on validation, predictions on test."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,8 @@ import numpy as np
 
 from ..errors import ArgumentsError, closest
 from .common import (REPO, ModelArguments, check_sample_limits, first, load_config, load_tokenizer, nearby,
-                     needed_splits, say_model_saved, shipped_model, train_and_save, with_channels)
+                     needed_splits, say_model_saved, shipped_model, with_channels)
+from .driver import run_task
 
 SHIPPED_DATA = REPO / "data" / "classification"
 EVAL_METRICS = ("loss", "accuracy")  # what evaluation reports (eval_*): `trainer-ext search` checks its metric
@@ -199,24 +201,24 @@ def likely_column(dataset, flag: str) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> dict:
-    """Fine-tune and/or evaluate a classifier with ExtTrainer; returns the metrics.
+def model_path(model_args: ModelArguments) -> str:
+    return model_args.model_name_or_path or shipped_model()
 
-    Writes {train,eval,eval_before,predict}_results.json and, with --do_predict, predictions.json to output_dir."""
+
+def setup(model_args: ModelArguments, data_args: DataArguments, training_args):
+    """A classifier fine-tuned and/or evaluated with ExtTrainer (trainer_ext.tasks.driver runs the steps). Writes
+    {train,eval,eval_before,predict}_results.json and, with --do_predict, predictions.json to output_dir."""
     import datasets
     import transformers
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
-    from ..training.prepare import prepare_process, sharded_loading
+    from ..training.prepare import sharded_loading
     from ..trainer import ExtTrainer
 
-    from .common import check_best_metric, check_output_dir, check_something_to_do, check_sequence_length, reading
+    from .common import check_sequence_length, reading
+    from .driver import Prepared
 
     model_path = model_args.model_name_or_path or shipped_model()
-    check_output_dir(training_args, model_path)
-    check_something_to_do(training_args, data_args)
-    check_best_metric(training_args, EVAL_METRICS)
-    prepare_process(training_args)  # before the data and model load (--checkpoint_uri checked, threads per rank)
     original = load_config(model_path, model_args)  # --config_overrides checked before the data and weights load
     raw = load_raw(data_args, training_args)
     for split in (split for split, flag in needed_splits(data_args, training_args).items() if flag):
@@ -270,30 +272,33 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
                          eval_dataset=tokenized.get("validation"), processing_class=tokenizer,
                          data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy)
     main_process = trainer.is_world_process_zero()
-    results = {}
-    if data_args.evaluate_before_training:
-        before = trainer.evaluate(metric_key_prefix="eval_before")
-        trainer.save_metrics("eval_before", before)
-        results.update(before)
+    said = {"eval_before": "validation accuracy before training", "eval": "validation accuracy after training"}
+
+    def evaluate(prefix: str) -> dict:
+        metrics = trainer.evaluate(metric_key_prefix=prefix)
+        trainer.log_metrics(prefix, metrics)
+        trainer.save_metrics(prefix, metrics)
         if main_process:
-            print(f"validation accuracy before training: {before['eval_before_accuracy']:.4f}", flush=True)
-    if training_args.do_train:
-        results.update(train_and_save(trainer, training_args, len(tokenized["train"])))
-    if training_args.do_eval:
-        metrics = trainer.evaluate()
-        trainer.log_metrics("eval", metrics)
-        trainer.save_metrics("eval", metrics)
-        results.update(metrics)
-        if main_process:
-            print(f"validation accuracy after training: {metrics['eval_accuracy']:.4f}", flush=True)
-    if training_args.do_predict:
+            print(f"{said[prefix]}: {metrics[f'{prefix}_accuracy']:.4f}", flush=True)
+        return metrics
+
+    def predict() -> dict:
         output = trainer.predict(tokenized["test"], metric_key_prefix="predict")
         trainer.save_metrics("predict", output.metrics)
-        results.update(output.metrics)
         if main_process:
             predictions = np.argmax(output.predictions, axis=-1).tolist()
             path = Path(training_args.output_dir) / "predictions.json"
             path.write_text(json.dumps({"predictions": predictions, "labels": [labels[i] for i in predictions],
                                         "logits": output.predictions.tolist()}))
+        return output.metrics
+
+    return Prepared(trainer, len(tokenized["train"]) if "train" in tokenized else None, evaluate, predict)
+
+
+def report(results: dict, training_args) -> None:
+    """What the example prints last on the main process: where the model went."""
     say_model_saved(training_args)
-    return results
+
+
+# The whole recipe, as the examples and experiment files run it (run(model_args, data_args, training_args) -> metrics).
+run = functools.partial(run_task, "classification")

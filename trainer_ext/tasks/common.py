@@ -251,28 +251,6 @@ def say_model_saved(training_args) -> None:
         print(f"model saved to {output}", flush=True)
 
 
-def evaluate_and_train(trainer, training_args, data_args, train_samples: int, more_metrics=None) -> dict:
-    """A recipe's steps once its trainer exists: evaluate first (--evaluate_before_training), train and save
-    (--do_train), evaluate (--do_eval); each evaluation's metrics (plus `more_metrics(prefix, metrics)`'s) logged and
-    written as <prefix>_results.json. Returns every metric."""
-    results = {}
-
-    def evaluate(prefix):
-        metrics = trainer.evaluate(metric_key_prefix=prefix)
-        metrics.update(more_metrics(prefix, metrics) if more_metrics else {})
-        trainer.log_metrics(prefix, metrics)
-        trainer.save_metrics(prefix, metrics)
-        results.update(metrics)
-
-    if getattr(data_args, "evaluate_before_training", False):
-        evaluate("eval_before")
-    if training_args.do_train:
-        results.update(train_and_save(trainer, training_args, train_samples))
-    if training_args.do_eval:
-        evaluate("eval")
-    return results
-
-
 # -- checks every recipe makes before its model is loaded -----------------------------------------------------------
 def check_something_to_do(training_args, data_args, steps=("do_train", "do_eval", "do_predict")) -> None:
     """A command with none of the task's steps (a v4 habit: the flags were off by default there too) read nothing,

@@ -7,6 +7,7 @@ the causal-LM recipe's tiny Llama; with no data files, data/preference/ (the cau
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from ..errors import ArgumentsError
 from .causal_lm import ModelArguments
 from .common import REPO, check_data_files, check_sample_limits, train_and_validation_files, with_channels
 from .data_checks import DataError, first_problem, row
+from .driver import run_task
 
 SHIPPED_DATA = REPO / "data" / "preference"
 # What evaluation reports (eval_ prefixed), for --metric_for_best_model.
@@ -106,27 +108,31 @@ def turns(where: str, name: str, value: list) -> None:
 
 
 # -- entry point -----------------------------------------------------------------------------------------------------
-def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> dict:
-    """DPO-train and/or evaluate a causal LM with ExtDPOTrainer; returns the metrics. Writes {train,eval,eval_before}_
-    results.json; the output holds the model (with LoRA the adapter). `training_args`: trainer_ext.trl.ExtDPOConfig."""
-    import datasets
-    from transformers import set_seed
+STEPS = ("do_train", "do_eval")
 
-    from ..training.prepare import prepare_process
-    from ..trl import ExtDPOConfig, ExtDPOTrainer
-    from .causal_lm import (adapter_modules, check_model_flags, check_tokenizer, default_model, evaluates,
-                            fit_vocabulary, load_model, load_model_config, lora_config, skeleton_of)
-    from .chat_data import DEFAULT_CHAT_TEMPLATE
-    from .common import (check_best_metric, check_output_dir, check_sequence_length, check_something_to_do,
-                         evaluate_and_train, load_tokenizer)
-    from .data_checks import say_once
+
+def check(model_args: ModelArguments, data_args: DataArguments, training_args) -> None:
+    from ..trl import ExtDPOConfig
 
     if not isinstance(training_args, ExtDPOConfig):
         raise ArgumentsError(f"the dpo task reads trainer_ext.trl.ExtDPOConfig, not {type(training_args).__name__}")
-    check_output_dir(training_args, model_args.model_name_or_path)
-    check_something_to_do(training_args, data_args, steps=("do_train", "do_eval"))
-    check_best_metric(training_args, EVAL_METRICS)
-    prepare_process(training_args)
+
+
+def setup(model_args: ModelArguments, data_args: DataArguments, training_args):
+    """A causal LM DPO-trained and/or evaluated with ExtDPOTrainer (trainer_ext.tasks.driver runs the steps). Writes
+    {train,eval,eval_before}_results.json; the output holds the model (with LoRA the adapter). `training_args`:
+    trainer_ext.trl.ExtDPOConfig."""
+    import datasets
+    from transformers import set_seed
+
+    from ..trl import ExtDPOTrainer
+    from .causal_lm import (adapter_modules, check_model_flags, check_tokenizer, default_model, evaluates,
+                            fit_vocabulary, load_model, load_model_config, lora_config, skeleton_of)
+    from .chat_data import DEFAULT_CHAT_TEMPLATE
+    from .common import check_sequence_length, load_tokenizer
+    from .data_checks import say_once
+    from .driver import Prepared
+
     limits = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
     files = data_args.files(training_args)
     pairs = {split: read_pairs(path)[:limits[split]] for split, path in files.items()}  # every line checked
@@ -168,7 +174,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     trainer = ExtDPOTrainer(model=model, ref_model=ref_model, args=training_args, train_dataset=sets.get("train"),
                             eval_dataset=sets.get("validation"), processing_class=tokenizer,
                             peft_config=lora_config(model_args, targets, saved))
-    return evaluate_and_train(trainer, training_args, data_args, len(pairs.get("train", [])))
+    return Prepared(trainer, len(pairs.get("train", [])))
 
 
 def check_reference(training_args, reference: bool) -> None:
@@ -180,3 +186,7 @@ def check_reference(training_args, reference: bool) -> None:
         raise ArgumentsError("--fsdp_config cpu_ram_efficient_loading with a full DPO fine-tune: the reference model "
                              "would load on the first rank only; add --precompute_ref_log_probs true (its log-probs "
                              "computed once, before training) or train LoRA adapters (--lora_r)")
+
+
+# The whole recipe, as the examples and experiment files run it (run(model_args, data_args, training_args) -> metrics).
+run = functools.partial(run_task, "dpo")

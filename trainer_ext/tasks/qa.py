@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -14,7 +15,8 @@ import numpy as np
 
 from ..errors import ArgumentsError
 from .common import (REPO, ModelArguments, check_sample_limits, first, load_config, load_tokenizer, nearby,
-                     shipped_model, train_and_save, with_channels)
+                     shipped_model, with_channels)
+from .driver import run_task
 
 logger = logging.getLogger(__name__)
 
@@ -325,26 +327,32 @@ def checked_files(data_args: DataArguments, training_args) -> tuple[dict[str, st
     return files, left_out
 
 
-def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> dict:
-    """Fine-tune and/or evaluate an extractive QA model with ExtTrainer; returns the metrics.
+STEPS = ("do_train", "do_eval")
 
+
+def check(model_args: ModelArguments, data_args: DataArguments, training_args) -> None:
+    if training_args.do_predict:  # it was ignored without a word
+        raise ArgumentsError("--do_predict: this QA recipe has no test split; --do_eval writes the validation set's "
+                             "predictions (eval_predictions.json): drop --do_predict")
+
+
+def model_path(model_args: ModelArguments) -> str:
+    return model_args.model_name_or_path or shipped_model()
+
+
+def setup(model_args: ModelArguments, data_args: DataArguments, training_args):
+    """An extractive QA model fine-tuned and/or evaluated with ExtTrainer (trainer_ext.tasks.driver runs the steps).
     Writes {eval,eval_before,train}_results.json and {eval,eval_before}_predictions.json to output_dir."""
     import transformers
     from transformers import AutoModelForQuestionAnswering, default_data_collator, set_seed
 
-    from ..training.prepare import prepare_process, sharded_loading
+    from ..training.prepare import sharded_loading
     from ..trainer import ExtTrainer
 
-    from .common import check_best_metric, check_output_dir, check_something_to_do, check_sequence_length, reading
+    from .common import check_sequence_length, reading
+    from .driver import Prepared
 
     model_path = model_args.model_name_or_path or shipped_model()
-    check_output_dir(training_args, model_path)
-    if training_args.do_predict:  # it was ignored without a word
-        raise ArgumentsError("--do_predict: this QA recipe has no test split; --do_eval writes the validation set's "
-                             "predictions (eval_predictions.json): drop --do_predict")
-    check_something_to_do(training_args, data_args, steps=("do_train", "do_eval"))
-    check_best_metric(training_args, EVAL_METRICS)
-    prepare_process(training_args)  # before the data and model load (--checkpoint_uri checked, threads per rank)
     config = load_config(model_path, model_args)  # --config_overrides checked before the data and weights load
     files, left_out = checked_files(data_args, training_args)
     set_seed(training_args.seed)  # the new span head is initialised identically on every backend
@@ -382,24 +390,17 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
     trainer = ExtTrainer(model=model, args=training_args, train_dataset=train_features,
                          eval_dataset=eval_features.remove_columns(FEATURE_METADATA) if evaluating else None,
                          processing_class=tokenizer, data_collator=default_data_collator, compute_metrics=evaluation)
-    results = {}
 
-    def evaluate(prefix):
+    def evaluate(prefix: str) -> dict:
         metrics = trainer.evaluate(metric_key_prefix=prefix)
         trainer.log_metrics(prefix, metrics)
         trainer.save_metrics(prefix, metrics)
         if trainer.is_world_process_zero():
             path = Path(training_args.output_dir) / f"{prefix}_predictions.json"
             path.write_text(json.dumps(evaluation.predictions, indent=1, sort_keys=True) + "\n")
-        results.update(metrics)
+        return metrics
 
-    if data_args.evaluate_before_training:
-        evaluate("eval_before")
-    if training_args.do_train:
-        results.update(train_and_save(trainer, training_args, len(train_features)))
-    if training_args.do_eval:
-        evaluate("eval")
-    return results
+    return Prepared(trainer, len(train_features) if train_features is not None else None, evaluate)
 
 
 def report(results: dict, training_args) -> None:
@@ -413,3 +414,7 @@ def report(results: dict, training_args) -> None:
             print(f"validation{label}: exact match {results[f'{prefix}_exact_match']:.2f}, "
                   f"F1 {results[f'{prefix}_f1']:.2f}", flush=True)
     say_model_saved(training_args)
+
+
+# The whole recipe, as the examples and experiment files run it (run(model_args, data_args, training_args) -> metrics).
+run = functools.partial(run_task, "qa")

@@ -12,8 +12,8 @@ import numpy as np
 
 from ..errors import ArgumentsError
 from .common import ModelArguments as CommonModelArguments
-from .common import (apply_config_overrides, check_sample_limits, nearby, reading, shipped_model, train_and_save,
-                     with_channels)
+from .common import apply_config_overrides, check_sample_limits, nearby, reading, shipped_model, with_channels
+from .driver import run_task
 
 logger = logging.getLogger(__name__)
 
@@ -305,22 +305,19 @@ def bleu_metrics(prediction, tokenizer) -> dict:
 
 
 # -- entry point -----------------------------------------------------------------------------------------------
-def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> dict:
-    """Train and/or evaluate as the flags ask; returns every metric. Rank 0 writes `{split}_results.json` and
-    the generated texts (`generated_eval_before.txt`, `generated_eval.txt`, `generated_predictions.txt`)."""
+def setup(model_args: ModelArguments, data_args: DataArguments, training_args):
+    """A translation model trained and/or evaluated with ExtSeq2SeqTrainer (trainer_ext.tasks.driver runs the steps).
+    Rank 0 writes `{split}_results.json` and the generated texts (`generated_eval_before.txt`, `generated_eval.txt`,
+    `generated_predictions.txt`)."""
     import transformers
     from transformers import DataCollatorForSeq2Seq, set_seed
 
-    from ..training.prepare import prepare_process, sharded_loading
+    from ..training.prepare import sharded_loading
     from ..seq2seq import ExtSeq2SeqTrainer
 
-    from .common import check_best_metric, check_output_dir, check_something_to_do
+    from .driver import Prepared
 
     transformers.utils.logging.set_verbosity_warning()
-    check_output_dir(training_args, model_args.model_name_or_path)
-    check_something_to_do(training_args, data_args)
-    check_best_metric(training_args, EVAL_METRICS)
-    prepare_process(training_args)  # before the data and model load (--checkpoint_uri checked, threads per rank)
     files = data_files(data_args, training_args)
     check_model_config(model_args)  # seconds, before the data and the weights load
     pairs = load_pairs(files, data_args)  # checked before the model loads
@@ -339,25 +336,18 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args) -> 
         compute_metrics=functools.partial(bleu_metrics, tokenizer=tokenizer) if generate else None)
     generation = {"max_length": training_args.generation_max_length or data_args.max_target_length,
                   "num_beams": data_args.num_beams or training_args.generation_num_beams}
-    results = {}
 
-    def score(split, prefix, output_name):
+    def score(split: str, prefix: str, output_name: str) -> dict:
         output = trainer.predict(tokenized[split], metric_key_prefix=prefix, **generation)
         trainer.save_metrics(prefix, output.metrics)
-        results.update(output.metrics)
         if generate and trainer.is_world_process_zero():
             texts = decode(output.predictions, tokenizer)
             (Path(training_args.output_dir) / output_name).write_text("\n".join(texts) + "\n", encoding="utf-8")
+        return output.metrics
 
-    if data_args.evaluate_before_training:
-        score("validation", "eval_before", "generated_eval_before.txt")
-    if training_args.do_train:
-        results.update(train_and_save(trainer, training_args, len(tokenized["train"])))
-    if training_args.do_eval:
-        score("validation", "eval", "generated_eval.txt")
-    if training_args.do_predict:
-        score("test", "predict", "generated_predictions.txt")
-    return results
+    return Prepared(trainer, len(tokenized["train"]) if "train" in tokenized else None,
+                    evaluate=lambda prefix: score("validation", prefix, f"generated_{prefix}.txt"),
+                    predict=lambda: score("test", "predict", "generated_predictions.txt"))
 
 
 def report(results: dict, training_args) -> None:
@@ -370,3 +360,7 @@ def report(results: dict, training_args) -> None:
             print(f"validation BLEU {when}: {results[f'{prefix}_bleu']:.2f}" if prefix != "predict" else
                   f"test BLEU: {results['predict_bleu']:.2f}", flush=True)
     say_model_saved(training_args)
+
+
+# The whole recipe, as the examples and experiment files run it (run(model_args, data_args, training_args) -> metrics).
+run = functools.partial(run_task, "translation")
