@@ -53,12 +53,12 @@ class DecoderShape:
     intermediate_size: int
     vocab_size: int
     tied_embeddings: bool
-    attention_bias: bool = False  # q/k/v biases (Qwen2)
+    biased: tuple[str, ...] = ()  # the linears built with a bias (_biased_linears: Qwen2's q/k/v, a Llama's flags)
 
     def parameter_tensors(self, lora: LoRA | None = None) -> list[int]:
         """The elements of each parameter tensor, the adapters' too (what ZeRO-3's persistence threshold reads)."""
         h, layer = self.hidden_size, list(self.linears().values())
-        biases = [out for _, out in layer[:3]] if self.attention_bias else []
+        biases = [out for name, (_, out) in self.linears().items() if name in self.biased]
         adapters = [n for name, (fi, fo) in self.linears().items() if lora and name in lora.target_modules
                     for n in (lora.r * fi, lora.r * fo, *([fo] if lora.dora else []))]
         per_layer = [h, h, *(fi * fo for fi, fo in layer), *biases, *adapters]
@@ -472,9 +472,10 @@ def _llama_like(c: dict) -> int:
     head_dim = c.get("head_dim") or h // heads
     kv = c.get("num_key_value_heads", heads) * head_dim
     q = heads * head_dim
-    bias = c.get("attention_bias", c.get("model_type") == "qwen2")
-    attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if bias else 0)
-    layer = attention + 3 * h * inter + 2 * h
+    outputs = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "gate_proj": inter, "up_proj": inter,
+               "down_proj": h}
+    attention = h * q + 2 * h * kv + q * h
+    layer = attention + 3 * h * inter + 2 * h + sum(outputs[name] for name in _biased_linears(c))
     head = 0 if c.get("tie_word_embeddings", False) else vocab * h
     return vocab * h + layers * layer + h + head
 
@@ -497,7 +498,19 @@ def _decoder_shape(config: dict) -> DecoderShape | None:
     return DecoderShape(config["model_type"], h, config["num_hidden_layers"], heads,
                         config.get("num_key_value_heads") or heads, config.get("head_dim") or h // heads,
                         config["intermediate_size"], config["vocab_size"], bool(config.get("tie_word_embeddings")),
-                        bool(config.get("attention_bias", config["model_type"] == "qwen2")))
+                        _biased_linears(config))
+
+
+def _biased_linears(config: dict) -> tuple[str, ...]:
+    """The decoder linears transformers builds with a bias: Qwen2's q/k/v always (its attention_bias is not read);
+    a Llama's four attention projections with attention_bias and its three MLP ones with mlp_bias; Mistral's none."""
+    model_type = config.get("model_type")
+    if model_type == "qwen2":
+        return ("q_proj", "k_proj", "v_proj")
+    if model_type != "llama":
+        return ()
+    return ((("q_proj", "k_proj", "v_proj", "o_proj") if config.get("attention_bias") else ())
+            + (("gate_proj", "up_proj", "down_proj") if config.get("mlp_bias") else ()))
 
 
 def _read_config(path: Path) -> dict:

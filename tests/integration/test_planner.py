@@ -107,6 +107,27 @@ def test_a_config_counts_what_transformers_builds_from_it(tmp_path, family, conf
     assert model_size(str(path)).num_parameters == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("family, fields", [
+    ("qwen2", {}), ("qwen2", {"tie_word_embeddings": True, "attention_bias": False}),
+    ("llama", {"tie_word_embeddings": True}), ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("llama", {"head_dim": 16}), ("mistral", {"attention_bias": True, "mlp_bias": True})])
+def test_a_decoders_parameter_tensors_are_transformers_own(tmp_path, family, fields):
+    """The tensors ZeRO-3's persistence threshold reads, and the parameter count, would miss Qwen2's q/k/v biases (its
+    attention_bias is not read), a Llama's biases (attention_bias: all four attention projections; mlp_bias: the MLP),
+    an explicit head_dim, or count lm_head twice when it is the embeddings' (tie_word_embeddings); Mistral builds no
+    bias whatever its config says (counted before: 24,864 for 24,736). Against the model transformers builds from the
+    same config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = {**TINY_LLAMA, "model_type": family, **fields}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    size = model_size(config_file(tmp_path, config))
+    assert sorted(size.decoder.parameter_tensors()) == sorted(p.numel() for p in model.parameters())
+    assert size.num_parameters == sum(p.numel() for p in model.parameters())
+
+
 def test_zero_paper_formulas():
     """Per-rank model states would not follow the ZeRO paper's bytes per parameter and /N partitioning."""
     size, n = ModelSize(10 ** 9, "test"), 8
@@ -267,6 +288,9 @@ ACTIVATION_CASES = {
     "lora lm_head saved bf16": {"lora": ("q_proj,v_proj", 0.0, False, "lm_head"), "dtype": "bf16"},
     "lora up,o checkpointing autocast dropout": {"lora": ("up_proj,o_proj", 0.1), "checkpointing": True,
                                                  "autocast": True},
+    # one side of SwiGLU's product trained, nothing before it: the first layer's gate (or up) output needs no gradient
+    "lora up_proj only": {"lora": ("up_proj", 0.0)}, "lora gate_proj only bf16": {"lora": ("gate_proj", 0.0),
+                                                                                  "dtype": "bf16"},
 }
 
 

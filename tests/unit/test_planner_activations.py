@@ -2,7 +2,7 @@
 Korthikanti et al. 2022 eq. 1 worked out by hand for a tiny model (issue 45: these mutants survived the unit run)."""
 import pytest
 
-from trainer_ext.planner import ModelSize, activation_bytes
+from trainer_ext.planner import DecoderShape, LoRA, ModelSize, activation_bytes, decoder_activation_bytes
 
 
 def size(**fields):
@@ -30,3 +30,24 @@ def test_unknown_shape_gives_no_activation_estimate(missing):
     fields = dict(hidden_size=4, num_layers=2, num_heads=2)
     fields[missing] = None
     assert activation_bytes(ModelSize(100, "test", **fields), 1, 3, True) is None
+
+
+def test_a_decoders_defaults_are_no_autocast_sdpa_and_one_byte_dropout_masks():
+    """decoder_activation_bytes' defaults would count autocast's copies, eager attention's softmax or 2-byte dropout
+    masks (CUDA's native dropout keeps 1 byte an element) for a caller that gives none of them."""
+    shape = DecoderShape("llama", 32, 2, 4, 2, 8, 64, 96, False)
+    lora = LoRA(4, ("q_proj", "v_proj"), 0.1)
+    assert decoder_activation_bytes(shape, 2, 16, 4, lora=lora) == decoder_activation_bytes(
+        shape, 2, 16, 4, False, lora, False, "sdpa", False, 1, False)
+
+
+def test_the_chunked_loss_keeps_lm_heads_input_and_one_chunk_of_logits():
+    """The chunked loss per token keeps lm_head's input (the stream's bytes) and the target (8); one chunk of logits
+    keeps 12 bytes a logit (log-softmax and its gradients, fp32), its own dtype's, and in 16-bit the fp32 upcast (4):
+    fp32 16 bytes a logit, bf16 18."""
+    from trainer_ext.training.chunked_loss import chunk_tokens
+
+    shape = DecoderShape("llama", 32, 2, 4, 2, 8, 64, 96, False)
+    tokens, chunk = 32, min(32, chunk_tokens(96))
+    assert decoder_activation_bytes(shape, 2, 16, 4, chunked_loss=True).loss == (4 * 32 + 8) * tokens + 16 * chunk * 96
+    assert decoder_activation_bytes(shape, 2, 16, 2, chunked_loss=True).loss == (2 * 32 + 8) * tokens + 18 * chunk * 96

@@ -48,7 +48,8 @@ def test_plan_without_shape_notes_activations_not_estimated():
 
 # A decoder whose MLP projections hold exactly ZeRO-3's persistence threshold (10·h = 320 elements each).
 EDGE = DecoderShape("llama", 32, 2, 4, 2, 8, 10, 96, False)
-EDGE_SIZE = ModelSize(50_000, "test", hidden_size=32, num_layers=2, num_heads=4, decoder=EDGE)
+EDGE_SIZE = ModelSize(50_000, "test", hidden_size=32, num_layers=2, num_heads=4, dropout=False, attention_dropout=False,
+                      decoder=EDGE)
 
 
 def test_plan_carries_each_backends_formula_and_the_run_it_was_asked_for():
@@ -83,3 +84,26 @@ def test_an_offloaded_row_holds_its_parameters_and_optimizer_on_the_host_and_fit
     first = got.estimates[0]
     exactly = plan(EDGE_SIZE, 2, "bf16", batch_size=2, seq_length=16, device_memory=first.device_total)
     assert exactly.estimates[0].fits is True and exactly.cheapest_fitting().backend == first.backend
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_plan_gives_the_decoders_terms_and_its_note_for_the_run_asked_for(attention):
+    """The plan's activation terms (the rows without autocast) would ignore the LoRA, checkpointing or attention
+    asked for; autocast's rows (ddp, simple) would be counted as the others; the note would not say the loss is
+    chunked; eager attention's dropout, which the terms leave out, would go unsaid (or be said for sdpa, which
+    regenerates it)."""
+    import dataclasses
+
+    lora = LoRA(8, ("q_proj", "v_proj"))
+    dropout = dataclasses.replace(EDGE_SIZE, attention_dropout=True)
+    got = plan(dropout, 2, "bf16", batch_size=2, seq_length=16, attention=attention, lora=lora,
+               gradient_checkpointing=True)
+    assert got.activation_terms == decoder_activation_bytes(EDGE, 2, 16, 2, False, lora, True, attention,
+                                                            chunked_loss=True)
+    assert got.activation_formula == activation_note(dropout, attention, lora, True, True, True)
+    assert "the loss, chunked" in got.activation_formula
+    said = "the config's attention_dropout > 0: eager attention's dropout masks are not counted"
+    assert (said in got.notes) == (attention == "eager")
+    assert said not in plan(EDGE_SIZE, 2, "bf16", attention=attention).notes  # attention_dropout False
+    rows = {e.backend: e.activations for e in plan(EDGE_SIZE, 2, "bf16", batch_size=2, seq_length=16).estimates}
+    assert rows["ddp"] != rows["zero2"]  # fp32 weights under autocast keep more than bf16 weights
