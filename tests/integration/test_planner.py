@@ -291,6 +291,9 @@ ACTIVATION_CASES = {
     # one side of SwiGLU's product trained, nothing before it: the first layer's gate (or up) output needs no gradient
     "lora up_proj only": {"lora": ("up_proj", 0.0)}, "lora gate_proj only bf16": {"lora": ("gate_proj", 0.0),
                                                                                   "dtype": "bf16"},
+    "lora up,down autocast": {"lora": ("up_proj,down_proj", 0.0), "autocast": True},
+    # V trained, Q and K not: P·V keeps the fp32 softmax for V's gradient (in 16-bit P·V's own copy instead)
+    "lora v_proj eager": {"lora": ("v_proj", 0.0), "attention": "eager"},
 }
 
 

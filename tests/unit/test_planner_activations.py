@@ -51,3 +51,17 @@ def test_the_chunked_loss_keeps_lm_heads_input_and_one_chunk_of_logits():
     tokens, chunk = 32, min(32, chunk_tokens(96))
     assert decoder_activation_bytes(shape, 2, 16, 4, chunked_loss=True).loss == (4 * 32 + 8) * tokens + 16 * chunk * 96
     assert decoder_activation_bytes(shape, 2, 16, 2, chunked_loss=True).loss == (2 * 32 + 8) * tokens + 18 * chunk * 96
+
+
+def test_under_zero3_a_linear_keeps_its_input_whenever_that_input_needs_a_gradient():
+    """ZeRO-3's linear function keeps every Linear's input that needs a gradient, trained or not
+    (linears_keep_inputs). A LoRA on up_proj alone, bf16, 2 × 16 tokens: the first layer's down_proj input needs one
+    (up's output does, gate's does not: one side of SwiGLU's product is enough), and the second layer's q/k/v input
+    and down_proj input; the other inputs are kept already. Counted as an `and` of the two sides, the first layer's
+    down_proj input would be missing."""
+    shape = DecoderShape("llama", 32, 2, 4, 2, 8, 64, 96, False)
+    lora = LoRA(4, ("up_proj",))
+    keeps, plain = (decoder_activation_bytes(shape, 2, 16, 2, False, lora, False, "sdpa", keep).layers
+                    for keep in (True, False))
+    tokens, h, i = 32, 32, 64
+    assert keeps - plain == tokens * (2 * i + 2 * h + 2 * i)
