@@ -21,15 +21,19 @@ from .environment import PYTHON, clean_env
 from .shared import say, shared_dir
 
 # `trainer-ext build-ops` itself (what README tells users to run), in a process of its own; the marker file once it
-# succeeded. Only the ops the launched tests load: the CPU all-reduce and CPU Adam (offload). None trains with
-# DeepSpeed's own Adam without offload (FusedAdam, 267 s of a CI run's 2 cores); one that did would build it itself,
-# saying so (ops.announce_builds), and still pass.
+# succeeded. Only the ops the launched tests load: the CPU all-reduce and CPU Adam (offload), those of them this
+# machine's DeepSpeed offers (a CUDA build has no CPU all-reduce: asking for it stopped the build there). None trains
+# with DeepSpeed's own Adam without offload (FusedAdam, 267 s of a CI run's 2 cores); one that did would build it
+# itself, saying so (ops.announce_builds), and still pass.
 PREBUILT_OPS = ("deepspeed_shm_comm", "cpu_adam")
 PREBUILD = f"""
 import sys
 from pathlib import Path
+from trainer_ext.backends.deepspeed.ops import DEFAULT_BUILDERS, op_builders
 from trainer_ext.cli import main
-code = main(["build-ops", "--only", *{PREBUILT_OPS!r}])
+offered = {{builder.NAME for builder in op_builders(DEFAULT_BUILDERS)}}
+wanted = [name for name in {PREBUILT_OPS!r} if name in offered]
+code = main(["build-ops", "--only", *wanted]) if wanted else 0
 if code == 0:
     Path(sys.argv[1]).touch()
 sys.exit(code)
