@@ -7,12 +7,12 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "ExtTrainer": ".trainer",
-    "ExtTrainingArguments": ".config.flags",
+    "ExtTrainingArguments": ".args",
     "ExtSeq2SeqTrainer": ".seq2seq",
     "ExtSeq2SeqTrainingArguments": ".seq2seq",
     "OptimizerSettings": ".config.optimizer",
     "SchedulerSettings": ".config.optimizer",
-    "ExtArgumentParser": ".config.flags",
+    "ExtArgumentParser": ".args",
     "run_experiment": ".experiment",
     "build_deepspeed_config": ".deepspeed_config",
     "resolve_deepspeed_config": ".deepspeed_config",

@@ -38,10 +38,9 @@ commands:
 def ds_config(argv: list[str]) -> int:
     from .backends.deepspeed.backend import resolve_checked
     from .config.batch import batch_fields
-    from .config.checks import flag_problems
     from .environment.launcher import launched_world_size
     from .errors import UserError
-    from .config.flags import ExtArgumentParser, ExtTrainingArguments
+    from .args import ExtArgumentParser, ExtTrainingArguments, flag_problems
     from .deepspeed_config import DeepSpeedConfigError, explain
     from .config.settings import write
     from .deepspeed_config.passes import nvme_offloads
@@ -209,7 +208,7 @@ def own_flags_misspelled(parser, flags: list[str]) -> tuple[list[str], list[str]
     mean --max_train_samples?", since only the task's parser saw them). A misspelled flag's value goes with it."""
     from .experiment import argument_classes
     from .tasks import TASKS
-    from .config.flags import ExtArgumentParser
+    from .args import ExtArgumentParser
     from .errors import closest
 
     own = [option for action in parser._actions for option in action.option_strings if option.startswith("--")]

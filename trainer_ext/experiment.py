@@ -254,7 +254,7 @@ def _flags(classes, argv: Sequence[str], problems: list[str]) -> dict:
     """Command-line flags -> {field: value as given}; typed with the file's values, so every problem shows at once."""
     if not argv:
         return {}
-    from .config.flags import ExtArgumentParser
+    from .args import ExtArgumentParser
 
     parser = ExtArgumentParser(classes, prog="trainer-ext train")
     for action in parser._actions:  # keep the words as given and only the flags given

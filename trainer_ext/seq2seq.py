@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
-from .config.flags import ExtTrainingArguments
+from .args import ExtTrainingArguments
 from .trainer import ExtTrainer
 
 

@@ -15,7 +15,7 @@ except ImportError as err:  # one line at the boundary, not a traceback
     raise MissingLibraryError(f"trainer_ext.trl needs TRL, which cannot be imported ({err}): pip install "
                               "\"trainer_ext[trl]\"") from None
 
-from .config.flags import ExtTrainingArguments
+from .args import ExtTrainingArguments
 from .trainer import ExtTrainer
 
 

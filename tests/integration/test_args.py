@@ -60,7 +60,7 @@ def test_flag_checks_read_the_flags_and_change_nothing(tmp_path):
     """ExtTrainingArguments and `trainer-ext ds-config` share the flag checks (each backend's among them): a check that
     rewrote the flags (--class_weights into numbers, --warmup_ratio into --warmup_steps, --sharded_ddp into a list,
     --fsdp_config read from its file) would change what the caller sees; the arguments still get the values."""
-    from trainer_ext.config.checks import flag_problems
+    from trainer_ext.args import flag_problems
 
     (tmp_path / "fsdp.json").write_text('{"transformer_layer_cls_to_wrap": ["BertLayer"]}')
     common = ["--output_dir", str(tmp_path), "--class_weights", "1,3", "--warmup_ratio", "0.1",
@@ -344,15 +344,18 @@ def test_building_the_arguments_touches_nothing_stock_arguments_do_not(tmp_path)
 
 
 def test_the_old_module_paths_still_load_saved_arguments_and_scripts():
-    """Every training_args.bin saved before config/ existed names trainer_ext.args.ExtTrainingArguments, and the docs
-    told users to import trainer_ext.experiment.run_experiment: without them a saved run's arguments no longer load
-    (torch.load) and such a script stops at its import."""
+    """Every training_args.bin names the class's module when it was saved: trainer_ext.args (before 2026-11-24 and
+    since 2026-11-28) or trainer_ext.config.flags (in between); the docs told users to import
+    trainer_ext.experiment.run_experiment: without them a saved run's arguments no longer load (torch.load) and such a
+    script stops at its import."""
     import pickle
 
     from trainer_ext.experiment import run_experiment
     from trainer_ext.experiment import run_experiment as old_run_experiment
 
     assert pickle.loads(b"ctrainer_ext.args\nExtTrainingArguments\n.") is ExtTrainingArguments
+    assert pickle.loads(b"ctrainer_ext.config.flags\nExtTrainingArguments\n.") is ExtTrainingArguments
+    assert ExtTrainingArguments.__module__ == "trainer_ext.args"  # what a run saves now
     assert old_run_experiment is run_experiment
 
 

@@ -56,7 +56,7 @@ def ran(request):
     names = {item.originalname for item in request.session.items if item.module is request.module}
     return run_forked({key: ([CLI, *[bad if word == BAD_FILE else word for word in argv]], None)
                        for name in sorted(names & set(COMMANDS)) for key, argv in COMMANDS[name].items()},
-                      preload=["trainer_ext.config.flags", "trainer_ext.deepspeed_config"])
+                      preload=["trainer_ext.args", "trainer_ext.deepspeed_config"])
 
 
 @pytest.mark.launch

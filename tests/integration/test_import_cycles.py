@@ -99,26 +99,20 @@ def test_the_cycle_finder_finds_a_cycle():
 FLOORS = [
     {"errors", "integrations"},  # what every floor may raise; the one door to upstream internals
     {"environment", "data"},  # facts of the process (launcher, host, SageMaker's variables); data order and loading
-    {"config", "args"},  # what users write: flags, their values, ranges and checks
+    {"config"},  # what users write: flags' values, ranges and checks (the backends' own checks handed in)
     {"deepspeed_config"},  # the pure translator: flags + a user's file -> one DeepSpeed config
     {"backends"},  # one folder per backend: settings, process set-up, the trainer's hooks
     {"checkpoints"},  # the checkpoint format, resumes, preemption, remote copies
+    {"args"},  # ExtTrainingArguments: the flags composed with the chosen backend's settings and the resume checks
     {"training", "trainer", "seq2seq", "trl"},  # the process's set-up step, ExtTrainer and its combinations
     {"tasks", "search", "experiment", "planner"},  # recipes, experiment files, search, the planner
     {"cli", "__main__", "trainer_ext"},  # the commands and the package's public face
 ]
 # Each import that still runs back up, with why; the redesign (issue 46) removes them. A stale entry fails too.
 BACK_UP = {
-    ("trainer_ext.config.checks", "trainer_ext.backends"):
-        "each backend refuses its own flag combinations (selection_problems): a backend's settle step to come",
-    ("trainer_ext.config.flags", "trainer_ext.backends"):
-        "the parsed arguments pick their backend class (backend_class) to finish its settings at __post_init__",
-    ("trainer_ext.config.flags", "trainer_ext.backends.fairscale"):
-        "--sharded_ddp's words are FairScale's OPTIONS: a backend's own flags, composed into the arguments, to come",
-    ("trainer_ext.config.flags", "trainer_ext.checkpoints.format"):
-        "--resume_from_checkpoint is read at parsing (resume_request, CheckpointNotFoundError): one line before loading",
-    ("trainer_ext.config.flags", "trainer_ext.checkpoints.restarts"):
-        "the global batch a resumed run keeps (resumed_order_state) is settled with the other batch fields",
+    ("trainer_ext.config.flags", "trainer_ext.args"):
+        "ExtTrainingArguments' path from 2026-11-24 to 2026-11-28, re-exported: a training_args.bin saved then "
+        "pickles it (test_args.py loads one)",
     ("trainer_ext.trainer", "trainer_ext.search.callback"):
         "a search trial is the user's own script, started by the search: the trial's callback is found from the "
         "process's environment (TRAINER_EXT_TRIAL), as no caller can pass it in",

@@ -5,6 +5,7 @@ own rules, without a process."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -388,15 +389,37 @@ def test_smdistributed_is_refused_before_anything_loads(in_job, monkeypatch, cap
     assert phrase in error and "distribution=" in error and "torch_distributed" in error
 
 
-def test_deepspeed_on_several_hosts_needs_a_shared_checkpoint_folder(in_job, monkeypatch):
-    """ZeRO on several hosts would write checkpoints no restart can resume (each host keeps its ranks' partitions)."""
+@pytest.mark.parametrize("flags, said", [({"deepspeed": "zero2"}, "--deepspeed on 2 SageMaker hosts: each rank's "
+                                         "optimizer partition"),
+                                         ({"fsdp": "full_shard"}, "--fsdp full_shard on 2 SageMaker hosts: each "
+                                          "rank's optimizer shard")], ids=["deepspeed", "fsdp"])
+def test_a_backend_writing_per_rank_state_on_several_hosts_needs_a_shared_checkpoint_folder(in_job, monkeypatch, tmp_path,
+                                                                                            flags, said):
+    """ZeRO and FSDP2 on several hosts would write checkpoints no restart can resume (each rank writes its own
+    optimizer partition or shard, on its own host, and only host 1 publishes); DDP and FairScale (rank 0 writes it
+    all) are not refused. The backend says what its ranks write (BackendSpec.rank_written_state): the arguments hand it
+    to SageMaker's step, and stock TrainingArguments meet the same refusal when the process is prepared."""
+    from transformers import TrainingArguments
+
+    from trainer_ext.backends import rank_written
+    from trainer_ext.training.prepare import prepare_process
+
     monkeypatch.setenv("SM_HOSTS", '["algo-1", "algo-2"]')
-    with pytest.raises(ArgumentsError, match="--deepspeed on 2 SageMaker hosts.*--checkpoint_dir"):
-        sagemaker.prepare_arguments(type("Args", (), {"output_dir": None, "deepspeed": "zero2",
-                                                      "save_strategy": "steps"})())
-    args = type("Args", (), {"output_dir": None, "deepspeed": "zero2", "save_strategy": "steps",
-                             "checkpoint_dir": "/fsx/run"})()
-    assert sagemaker.prepare_arguments(args) == {"output_dir": str(in_job / "model")}
+    args = type("Args", (), {"output_dir": None, "save_strategy": "steps", "sharded_ddp": None, **flags})()
+    with pytest.raises(ArgumentsError, match=f"^{re.escape(said)} would stay on its own host's .*--checkpoint_dir"):
+        sagemaker.prepare_arguments(args, rank_written(args))
+    args.checkpoint_dir = "/fsx/run"
+    assert sagemaker.prepare_arguments(args, rank_written(args)) == \
+        {"output_dir": str(in_job / "model")}
+    for others in ({}, {"sharded_ddp": ["zero_dp_2"]}):
+        plain = type("Args", (), {"output_dir": None, "save_strategy": "steps", "deepspeed": None, "fsdp": None,
+                                  "sharded_ddp": None, **others})()
+        assert rank_written(plain) is None
+        assert "checkpoint_dir" in sagemaker.prepare_arguments(plain, rank_written(plain))
+    if "fsdp" in flags:  # stock TrainingArguments, as a user's own script builds them: refused at prepare_process
+        stock = TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", report_to="none")
+        with pytest.raises(ArgumentsError, match="^--fsdp on 2 SageMaker hosts: each rank's optimizer shard"):
+            prepare_process(stock)  # (transformers turned fsdp="full_shard" into fsdp=True)
 
 
 def test_data_channels_fill_the_splits_no_file_names(in_job, monkeypatch):

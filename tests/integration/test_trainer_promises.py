@@ -399,16 +399,21 @@ def test_another_optimizer_is_refused_before_it_reads_the_checkpoints_state(tmp_
     assert outcome.global_step == 3 and "holds another optimizer's state" in caplog.text
     _, outcome = trained(tmp_path / "run", resume=str(checkpoint), max_steps=3, optim="adamw_torch", **flags)
     assert outcome.global_step == 3
-    # DeepSpeed: its optimizer.type, Adam and AdamW one state (FusedAdam in either mode)
+    # DeepSpeed: its optimizer.type, Adam and AdamW one state (FusedAdam in either mode), said by the backend
     from types import SimpleNamespace
 
+    from trainer_ext.backends.deepspeed.backend import DeepSpeedBackend
     from trainer_ext.checkpoints.policy import optimizer_record
 
     def record(kind):
-        return optimizer_record(SimpleNamespace(backend=SimpleNamespace(resolution=SimpleNamespace(
-            config={"optimizer": {"type": kind}}))))
+        backend = DeepSpeedBackend()
+        backend.resolution = SimpleNamespace(config={"zero_optimization": {"stage": 2},
+                                                     **({"optimizer": {"type": kind}} if kind else {})}, notes=[])
+        return optimizer_record(SimpleNamespace(backend=backend))
 
     assert record("Adam")["state"] == record("AdamW")["state"] != record("Lamb")["state"]
+    assert record("Lamb")["back"] == "set the DeepSpeed file's optimizer.type back to Lamb"
+    assert record(None) is None  # no optimizer.type: transformers' optimizer inside the engine, not checked
 
 
 def test_a_resume_with_another_batch_size_reports_and_records_the_batch_it_trains(tmp_path, capsys):

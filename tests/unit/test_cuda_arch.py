@@ -75,7 +75,7 @@ def test_a_bad_value_stops_argument_parsing_with_exit_2_on_gpu_ranks(tmp_path, m
     """A user's environment mistake is one line and exit status 2, before any model exists. The check runs where
     DeepSpeed builds CUDA ops: this machine has no GPU, so the arguments are told the ranks are not CPU ranks."""
     from trainer_ext.environment import launcher as runtime
-    from trainer_ext.config import flags as args_module
+    from trainer_ext import args as args_module
 
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "sm_90")
     monkeypatch.setattr(runtime, "cpu_ranks", lambda args: False)

@@ -42,6 +42,13 @@ def backend_class(args) -> type[Backend]:
     return next((cls for cls in classes if cls.selected(args)), next(cls for cls in classes if cls.flag is None))
 
 
+def rank_written(args) -> str | None:
+    """What the selected backend's ranks each write into a checkpoint, with its flag as given (for SageMaker's
+    refusal on several hosts: "--deepspeed: each rank's optimizer partition"); None when rank 0 writes all of it."""
+    cls = backend_class(args)
+    return f"{cls.given_as(args)}: {cls.rank_written_state}" if cls.rank_written_state else None
+
+
 def selection_problems(args) -> list[str]:
     """Every backend's own flag problems, and more than one backend chosen."""
     classes = backend_classes()
@@ -58,4 +65,4 @@ def select_backend(args) -> Backend:
 
 
 __all__ = ["BACKENDS", "Backend", "backend_class", "backend_classes", "backend_flags", "checkpoint_state_patterns",
-           "owned_flags", "select_backend", "selection_problems"]
+           "owned_flags", "rank_written", "select_backend", "selection_problems"]

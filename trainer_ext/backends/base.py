@@ -19,12 +19,16 @@ from .spec import BackendFormula, BackendSpec
 @dataclass(frozen=True)
 class ResolvedSettings:
     """What a backend settled for this run, as it tells it: a short description (messages, checkpoint records), the
-    lines printed when training starts, the files written next to the final model, and the hyperparameters of an
-    optimizer it builds from its own settings (which a resume puts back over the checkpoint's; None: ExtTrainer's)."""
+    lines printed when training starts, the files written next to the final model, the hyperparameters of an
+    optimizer it builds from its own settings (which a resume puts back over the checkpoint's; None: ExtTrainer's),
+    and which optimizer state its checkpoints hold where the backend decides it: {"state": what must match to resume
+    (None: not known, nothing checked), "name", "given": how it was chosen, "back": how to choose it again}; None: the
+    optimizer transformers builds for --optim (checkpoints/policy.py's optimizer_record)."""
     description: str
     lines: tuple[str, ...] = ()
     files: dict = field(default_factory=dict)  # file name -> JSON content
     optimizer: dict | None = None
+    optimizer_state: dict | None = None
 
     def write(self, output_dir) -> None:
         for name, content in self.files.items():

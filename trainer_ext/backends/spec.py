@@ -31,6 +31,9 @@ class BackendSpec:
     optimizer_state: tuple[str, ...] = ("optimizer.pt",)
     # Whether it can continue a checkpoint's weights and step with a new optimizer state (--resume_weights_only).
     resumes_weights_only = True
+    # What every rank writes into a checkpoint itself (None: rank 0 writes all of it), which only a folder the hosts
+    # share holds together: SageMaker's per-host checkpoint folder refuses such a backend on several hosts.
+    rank_written_state: str | None = None
 
     # -- the arguments (before any trainer exists) -----------------------------------------------------------------
     @classmethod

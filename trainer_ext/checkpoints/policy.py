@@ -155,7 +155,8 @@ class RunCheckpoints(TrainerCallback):
                 raise CheckpointError(
                     f"--resume_weights_only: {checkpoint} {holds}, and {described} resumes only from its own "
                     f"checkpoints: start a new run from its weights (--model_name_or_path {checkpoint} in the "
-                    "examples, from_pretrained in a script), or resume it without --deepspeed")
+                    "examples, from_pretrained in a script), or resume it without "
+                    f"{backend.given_as(self.args)}")
             if self.trainer.is_world_process_zero():
                 logger.warning("--resume_weights_only: %s %s; its weights and step %d continue, the optimizer state "
                                "starts anew", checkpoint, holds, step)
@@ -180,12 +181,11 @@ class RunCheckpoints(TrainerCallback):
         now = optimizer_record(self.trainer)
         if not isinstance(written, dict) or not now or written.get("state") == now["state"]:  # one state format
             return None
-        if now["state"].startswith(DEEPSPEED_OPTIMIZER):
-            back, weights = f"set the DeepSpeed file's optimizer.type back to {written.get('type')}", ""
-        else:
-            back = f"give --optim {written.get('optim')}"
-            weights = (f", pass --resume_weights_only to continue its weights and step {step} with a new "
-                       f"{now['name']} state")
+        # How the written one is chosen again (a marker written before "back" was recorded: its --optim or type).
+        back = written.get("back") or (f"give --optim {written['optim']}" if written.get("optim") else
+                                       f"set the optimizer.type back to {written.get('type')}")
+        weights = (f", pass --resume_weights_only to continue its weights and step {step} with a new {now['name']} "
+                   "state" if self.trainer.backend.resumes_weights_only else "")
         return (f"{checkpoint} holds the optimizer state of {written.get('name')} ({written.get('given')}), and this run "
                 f"trains with {now['name']} ({now['given']}): to continue it, {back}{weights}, or --fresh_start to "
                 "start over")
@@ -366,28 +366,16 @@ class RunCheckpoints(TrainerCallback):
             self.remote.wait()
 
 
-DEEPSPEED_OPTIMIZER = "deepspeed:"
-
-
-# DeepSpeed's optimizer types that build one optimizer, whose state reads the same (its FusedAdam / CPU Adam in either
-# mode: adam_w_mode is a setting, not another state).
-DEEPSPEED_SAME_STATE = {"adamw": "adam"}
-
-
 def optimizer_record(trainer) -> dict | None:
     """Which optimizer's state a checkpoint of this run holds, known before the optimizer is built: {"state": what
-    must match to resume it, "name": its name for a message, "given": how it was chosen, "optim" or "type": the value to
-    give back}. DeepSpeed's optimizer.type (Adam and AdamW alike); else the class transformers builds for --optim
+    must match to resume it, "name": its name for a message, "given": how it was chosen, "back": how to choose it
+    again, "optim" (or the backend's own field): the value to give back}. The backend's answer where it decides
+    (ResolvedSettings.optimizer_state: DeepSpeed's optimizer.type); else the class transformers builds for --optim
     (adamw_torch and adamw_torch_fused alike: torch's AdamW, one state format). None for an optimizer the user passed
-    to the trainer, or one whose package is missing."""
-    resolution = getattr(trainer.backend, "resolution", None)
-    if resolution is not None:
-        kind = (resolution.config.get("optimizer") or {}).get("type")
-        if not kind:
-            return None
-        family = DEEPSPEED_SAME_STATE.get(str(kind).lower(), str(kind).lower())
-        return {"state": f"{DEEPSPEED_OPTIMIZER}{family}", "name": f"DeepSpeed's {kind}",
-                "given": f"optimizer.type {kind}", "type": kind}
+    to the trainer, one whose package is missing, or one the backend does not know."""
+    own = trainer.backend.settings().optimizer_state
+    if own is not None:
+        return own if own.get("state") else None
     if getattr(trainer, "user_optimizer", False):
         return None
     from transformers import Trainer
@@ -398,7 +386,7 @@ def optimizer_record(trainer) -> dict | None:
         return None
     optim = getattr(trainer.args.optim, "value", trainer.args.optim)
     return {"state": f"{kind.__module__}.{kind.__qualname__}", "name": kind.__name__, "given": f"--optim {optim}",
-            "optim": optim}
+            "optim": optim, "back": f"give --optim {optim}"}
 
 
 @contextmanager

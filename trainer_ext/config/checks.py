@@ -11,7 +11,6 @@ import importlib.util
 import json
 from dataclasses import dataclass
 
-from ..backends import selection_problems
 from ..errors import ArgumentsError, closest
 from ..environment.sagemaker import parse_list
 from .optimizer import merge_warmup_ratio
@@ -258,9 +257,11 @@ def hub_problems(args) -> list[str]:
 TOKENS_SEEN = ("non_padding", "all", "no")  # --include_num_input_tokens_seen's words (or true / false)
 
 
-def flag_problems(args) -> list[str]:
-    """Every check of the flags that does not depend on this machine, one line per problem, each backend's own among
-    them (Backend.owned_flag_problems). Reads `args` only: what the text flags stand for is read_text_flags'."""
+def flag_problems(args, backend_problems) -> list[str]:
+    """Every check of the flags that does not depend on this machine, one line per problem, with the backends' own
+    (`backend_problems`: trainer_ext.args, a floor above the backends, passes backends.selection_problems:
+    each backend's owned_flag_problems, and more than one chosen). Reads `args` only: what the text flags stand for is
+    read_text_flags'."""
     problems: list[str] = []
 
     def checked(parse, *values):
@@ -293,7 +294,7 @@ def flag_problems(args) -> list[str]:
         problems.append(f"--include_num_input_tokens_seen {tokens_seen}: choose non_padding (the samples' own tokens), "
                         "all (padding too) or no" + (f" (did you mean {hint}?)" if (hint := closest(
                             str(tokens_seen), TOKENS_SEEN)) else ""))
-    return problems + report_to_problems(args) + selection_problems(args) + value_problems(args)
+    return problems + report_to_problems(args) + backend_problems(args) + value_problems(args)
 
 
 def read_text_flags(args) -> dict:

@@ -1,5 +1,5 @@
 """The settings builder's door: the one place trainer_ext writes onto a TrainingArguments object. Everything else
-computes values and hands them here, at two moments: when ExtTrainingArguments is parsed (config/flags.py: the text
+computes values and hands them here, at two moments: when ExtTrainingArguments is parsed (trainer_ext/args.py: the text
 flags read, a SageMaker job's folders, CPU ranks' device flags, the selected backend's `prepare_arguments` and, once
 transformers has set the arguments up, its `arguments_ready`), and when a process is prepared for training
 (training/prepare.py: the same for stock TrainingArguments, which parsed nothing, through the backend's

@@ -38,7 +38,7 @@ class Prepared:
 def argument_classes(task: str) -> tuple:
     """The task's ModelArguments, DataArguments and training arguments dataclasses."""
     recipe = import_module(TASKS[task])
-    module, name = TRAINING_ARGUMENTS.get(task, ("trainer_ext.config.flags", "ExtTrainingArguments"))
+    module, name = TRAINING_ARGUMENTS.get(task, ("trainer_ext.args", "ExtTrainingArguments"))
     return recipe.ModelArguments, recipe.DataArguments, getattr(import_module(module), name)
 
 
@@ -83,7 +83,7 @@ def run_task(task: str, model_args, data_args, training_args) -> dict:
 def main(task: str, argv: Sequence[str] | None = None) -> dict:
     """Parse `argv` (default: the command line) with the task's flags and run its recipe; returns its metrics. A bad
     flag, path or file found once the data or model are read is one line and exit status 2, as a parsing error is."""
-    from ..config.flags import ExtArgumentParser
+    from ..args import ExtArgumentParser
     from ..errors import user_errors
 
     parser = ExtArgumentParser(argument_classes(task))

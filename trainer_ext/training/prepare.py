@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import weakref
 
-from ..backends import Backend, backend_class
+from ..backends import Backend, backend_class, rank_written
 from ..backends.deepspeed.ops import import_deepspeed_quietly
 from ..checkpoints.restarts import resumed_order_state
 from ..config.batch import batch_fields
@@ -33,7 +33,8 @@ def prepare_process(args) -> None:
     --checkpoint_uri taking a write (main process: one probe object, then deleted) before any model is loaded."""
     if args is None or any(ref() is args for ref in _PREPARED):
         return  # the recipes, sharded_loading and ExtTrainer each call it: the work is done once
-    write(args, prepare_sagemaker_arguments(args))  # ExtTrainingArguments did when built; stock TrainingArguments not
+    # ExtTrainingArguments did when built; stock TrainingArguments not
+    write(args, prepare_sagemaker_arguments(args, rank_written(args)))
     prepare_sagemaker_environment()
     import_deepspeed_quietly()
     if cpu_ranks(args):

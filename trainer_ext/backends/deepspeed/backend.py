@@ -36,6 +36,7 @@ class DeepSpeedBackend(Backend):
     needs_process_group = True  # without a launcher DeepSpeed looks for MPI and dies importing mpi4py
     checkpoint_state = ("global_step*",)  # the engine's own checkpoint: ZeRO shards, also without consolidated weights
     optimizer_state = checkpoint_state
+    rank_written_state = "each rank's optimizer partition"
     resumes_weights_only = False  # transformers resumes the engine from its own files only
 
     @classmethod
@@ -301,7 +302,7 @@ class DeepSpeedBackend(Backend):
         params = dict(config.get("optimizer", {}).get("params", {}))
         optimizer = {key: params[key] for key in ("lr", "betas", "eps", "weight_decay") if key in params} or None
         return ResolvedSettings(f"deepspeed ZeRO-{config['zero_optimization'].get('stage')}", tuple(lines),
-                                {"ds_config.resolved.json": config}, optimizer)
+                                {"ds_config.resolved.json": config}, optimizer, optimizer_state(config))
 
     @classmethod
     def fingerprint(cls, module) -> dict:
@@ -359,6 +360,22 @@ def keep_used_weight_conversions(model) -> None:
     (MiniLM's LayerNorm.weight written as the legacy LayerNorm.gamma). A private attribute: the only record of them;
     tests/integration/test_zero3.py compares a ZeRO-3 checkpoint's keys with one process's."""
     internals.keep_used_weight_conversions(model)
+
+
+# DeepSpeed's optimizer types that build one optimizer, whose state reads the same (its FusedAdam / CPU Adam in either
+# mode: adam_w_mode is a setting, not another state).
+SAME_STATE = {"adamw": "adam"}
+
+
+def optimizer_state(config: dict) -> dict:
+    """Which optimizer state the engine's checkpoints hold: the file's optimizer.type (Adam and AdamW alike); none
+    known when the file names none (transformers' optimizer, handed to the engine)."""
+    kind = (config.get("optimizer") or {}).get("type")
+    if not kind:
+        return {"state": None}
+    return {"state": f"deepspeed:{SAME_STATE.get(str(kind).lower(), str(kind).lower())}", "name": f"DeepSpeed's {kind}",
+            "given": f"optimizer.type {kind}", "type": kind,
+            "back": f"set the DeepSpeed file's optimizer.type back to {kind}"}
 
 
 def load_consolidated_weights(model, folder: Path, main_process: bool) -> None:

@@ -29,6 +29,7 @@ class FSDPBackend(Backend):
     needs_process_group = True  # fully_shard needs a process group, also for one process
     checkpoint_state = (SHARDS,)
     optimizer_state = checkpoint_state
+    rank_written_state = "each rank's optimizer shard"
 
     @classmethod
     def selected(cls, args) -> bool:
