@@ -209,6 +209,8 @@ def test_a_second_run_reuses_the_tokenized_cache(tmp_path):
     env = {"HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     first = run([TRAINER_EXT, "train", path], env=env)
     assert first.returncode == 0, first.stderr[-4000:]
+    # the recipe's last line, as its example script prints it
+    assert first.stdout.strip().splitlines()[-1] == f"model saved to {(tmp_path / 'out').resolve()}"
     tokenized = cache_files(tmp_path / "cache")
     assert tokenized
     second = run([TRAINER_EXT, "train", path], env=env)

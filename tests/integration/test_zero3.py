@@ -53,7 +53,7 @@ def test_stage_3_fields_wait_for_the_model_then_explain_says_why(deepspeed_accep
     assert zero.prefetch_bucket_size == int(0.9 * HIDDEN * HIDDEN) and zero.gather_16bit_weights_on_model_save
     text = explain(finished)
     assert "hidden size h = 384 (transformers' rule: 0.9·h² elements fetched ahead of use)" in text
-    assert "0.19x plain samples/s at DeepSpeed's defaults" in text and "trainer-ext plan" in text
+    assert "0.13-0.19x plain samples/s at DeepSpeed's defaults" in text and "trainer-ext plan" in text
     assert zero.module_granularity_threshold == 0  # DeepSpeed's: h² made BERT one leaf that learnt nothing
 
 

@@ -335,8 +335,8 @@ ZERO3_DEFAULTS = {
 }
 # What ZeRO-3 costs where ZeRO-2 would fit, for --explain and trainer-ext plan (measured in issue 14).
 ZERO3_COST = ("parameters gathered module by module for every forward and backward (1.5x DDP's communication): "
-              "measured on one H200 (BERT-large, bf16) at 0.19x plain samples/s at DeepSpeed's defaults; choose it "
-              "when ZeRO-2 does not fit (trainer-ext plan --device_memory tells)")
+              "measured on one GPU (BERT-large, bf16) at 0.13-0.19x plain samples/s at DeepSpeed's defaults (H100, "
+              "H200); choose it when ZeRO-2 does not fit (trainer-ext plan --device_memory tells)")
 # Keys DeepSpeed reads only at stage 3 (at stage 0-2 it ignores them), and the unprefixed names DeepSpeed also accepts
 # for stage-3 fields (renamed to the stage3_ spelling transformers and the presets use).
 STAGE3_ALIASES = {

@@ -11,6 +11,7 @@ import weakref
 
 from ..errors import ArgumentsError, UserError
 from ..integrations import internals
+from .variables import set_variables
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def share_cores_between_cpu_ranks() -> int | None:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // ranks)
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes this one starts
+    set_variables({"OMP_NUM_THREADS": str(threads)})  # for processes this one starts
     import torch
 
     torch.set_num_threads(threads)
@@ -98,9 +99,8 @@ def launch_one_rank_without_launcher() -> bool:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                      MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
+    set_variables({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+    set_variables({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, keep_set=True)
     return True
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ArgumentsError, main_process
+from .variables import set_variables
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +125,7 @@ def prepare_environment(job: Job | None = None) -> None:
     """Inside a job (trainer_ext.prepare_process): TensorBoard logs to the job's output unless TENSORBOARD_LOGGING_DIR
     is set (transformers' TensorBoardCallback reads it when the trainer is built)."""
     job = job or current_job()
-    if job is not None and TENSORBOARD_ENV not in os.environ:
-        os.environ[TENSORBOARD_ENV] = str(job.tensorboard_dir)
+    if job is not None and set_variables({TENSORBOARD_ENV: str(job.tensorboard_dir)}, keep_set=True):
         say(job, [f"TensorBoard logs to {job.tensorboard_dir}"])
 
 

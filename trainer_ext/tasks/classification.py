@@ -218,8 +218,8 @@ def setup(model_args: ModelArguments, data_args: DataArguments, training_args):
     from .common import check_sequence_length, reading
     from .driver import Prepared
 
-    model_path = model_args.model_name_or_path or shipped_model()
-    original = load_config(model_path, model_args)  # --config_overrides checked before the data and weights load
+    source = model_path(model_args)  # the model given, or the shipped one
+    original = load_config(source, model_args)  # --config_overrides checked before the data and weights load
     raw = load_raw(data_args, training_args)
     for split in (split for split, flag in needed_splits(data_args, training_args).items() if flag):
         if split not in raw:
@@ -243,14 +243,14 @@ def setup(model_args: ModelArguments, data_args: DataArguments, training_args):
     if weights and len(weights) != len(labels):  # before the model is loaded
         raise ArgumentsError(f"--class_weights has {len(weights)} values but the training data has {len(labels)} "
                              f"labels ({', '.join(map(str, labels))}): give one weight per label, in that order")
-    check_head(original, labels, model_path, model_args)
+    check_head(original, labels, source, model_args)
     set_seed(training_args.seed)  # the new classifier head is initialised identically on every backend
-    config = load_config(model_path, model_args, num_labels=len(labels),
+    config = load_config(source, model_args, num_labels=len(labels),
                          id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
-    tokenizer = load_tokenizer(model_path, model_args)
+    tokenizer = load_tokenizer(source, model_args)
     check_sequence_length("--max_seq_length", data_args.max_seq_length, config, tokenizer)
-    with sharded_loading(training_args), reading("--model_name_or_path", model_path, "model"):
-        model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config,
+    with sharded_loading(training_args), reading("--model_name_or_path", source, "model"):
+        model = AutoModelForSequenceClassification.from_pretrained(source, config=config,
                                                                    **model_args.model_kwargs)
     transformers.utils.logging.set_verbosity_warning()
 

@@ -91,10 +91,16 @@ def main(task: str, argv: Sequence[str] | None = None) -> dict:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     with user_errors(parser.prog):
         results = run_task(task, model_args, data_args, training_args)
-    report = getattr(import_module(TASKS[task]), "report", None)
-    if report is not None and training_args.process_index == 0:
-        report(results, training_args)
+    report(task, results, training_args)
     return results
+
+
+def report(task: str, results: dict, training_args) -> None:
+    """What the recipe says last on the main process (where the model went, its scores), if it says anything: the
+    example scripts and `trainer-ext train` alike, never a call from Python (run_task prints nothing of it)."""
+    said = getattr(import_module(TASKS[task]), "report", None)
+    if said is not None and training_args.process_index == 0:
+        said(results, training_args)
 
 
 def script(task: str, module_name: str) -> Callable[..., dict]:

@@ -352,17 +352,17 @@ def setup(model_args: ModelArguments, data_args: DataArguments, training_args):
     from .common import check_sequence_length, reading
     from .driver import Prepared
 
-    model_path = model_args.model_name_or_path or shipped_model()
-    config = load_config(model_path, model_args)  # --config_overrides checked before the data and weights load
+    source = model_path(model_args)  # the model given, or the shipped one
+    config = load_config(source, model_args)  # --config_overrides checked before the data and weights load
     files, left_out = checked_files(data_args, training_args)
     set_seed(training_args.seed)  # the new span head is initialised identically on every backend
-    tokenizer = load_tokenizer(model_path, model_args)
+    tokenizer = load_tokenizer(source, model_args)
     if not tokenizer.is_fast:
         raise ArgumentsError(f"{type(tokenizer).__name__} is not a fast tokenizer: question answering needs the "
                              "offset mapping only fast tokenizers give; pass --tokenizer_name of a fast one")
     check_sequence_length("--max_seq_length", data_args.max_seq_length, config, tokenizer)
-    with sharded_loading(training_args), reading("--model_name_or_path", model_path, "model"):
-        model = AutoModelForQuestionAnswering.from_pretrained(model_path, config=config, **model_args.model_kwargs)
+    with sharded_loading(training_args), reading("--model_name_or_path", source, "model"):
+        model = AutoModelForQuestionAnswering.from_pretrained(source, config=config, **model_args.model_kwargs)
     transformers.utils.logging.set_verbosity_warning()
 
     evaluating = training_args.do_eval or data_args.evaluate_before_training

@@ -73,15 +73,14 @@ class DeepSpeedBackend(Backend):
         process group. On a machine without a GPU, DS_ACCELERATOR=cpu: DeepSpeed's own override for the choice it would
         make anyway, without its "unable to detect" warning; TORCH_EXTENSIONS_DIR this environment's own folder for the
         ops, unless set; and what DeepSpeed's import set, where a config check imported it first and took it back."""
-        import os
-
         from .cuda_arch import prepare_for_deepspeed
         from .leftovers import clear_leftovers
         from .ops import announce_builds, restore_import_environment, use_environment_folder
         from ...environment.launcher import accelerator_available, cpu_ranks
+        from ...environment.variables import set_variables
 
-        if "DS_ACCELERATOR" not in os.environ and not accelerator_available():
-            os.environ["DS_ACCELERATOR"] = "cpu"
+        if not accelerator_available():
+            set_variables({"DS_ACCELERATOR": "cpu"}, keep_set=True)
         use_environment_folder()
         quiet_deprecated_collectives()
         restore_import_environment()

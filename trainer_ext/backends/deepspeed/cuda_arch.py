@@ -12,6 +12,7 @@ import logging
 import os
 import re
 
+from ...environment.variables import set_variables
 from ...errors import ArgumentsError
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def prepare_for_deepspeed(environ=os.environ, main_process: bool | None = None) 
     normalised = for_deepspeed(value)
     if normalised == value:
         return None
-    environ[VARIABLE] = normalised
+    set_variables({VARIABLE: normalised}, environ=environ)
     if main_process is None:
         main_process = environ.get("RANK", "0").strip() in ("", "0")
     note = (f"{VARIABLE}={value!r} -> {normalised!r} for DeepSpeed's op builds (DeepSpeed 0.19 cannot parse the "

@@ -13,6 +13,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from ...environment.variables import restored, set_variables, unset_variable
+
 logger = logging.getLogger(__name__)
 
 # Seconds each op took to build once in a fresh-clone CI run on 2 busy CPU cores (DeepSpeed 0.19.8, torch 2.13): what
@@ -32,19 +34,18 @@ def deepspeed_imported():
     run: tests/integration/test_args.py compares the process with stock arguments')."""
     from ...environment.launcher import accelerator_available
 
-    first = "deepspeed" not in sys.modules
-    before = dict(os.environ)
-    if first and "DS_ACCELERATOR" not in os.environ and not accelerator_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    try:
+    if "deepspeed" in sys.modules:
         yield
+        return
+    # DeepSpeed's import sets variables too (PYTORCH_NVML_BASED_CUDA_CHECK): the process as it was, afterwards
+    added: dict[str, str] = {}
+    try:
+        with restored() as added:
+            if not accelerator_available():
+                set_variables({"DS_ACCELERATOR": "cpu"}, keep_set=True)
+            yield
     finally:
-        if first:  # DeepSpeed's import sets variables too (PYTORCH_NVML_BASED_CUDA_CHECK): the process as it was
-            for name in set(os.environ) - set(before):
-                if name != "DS_ACCELERATOR":
-                    _TAKEN_BACK[name] = os.environ[name]
-                del os.environ[name]
-            os.environ.update({name: value for name, value in before.items() if os.environ.get(name) != value})
+        _TAKEN_BACK.update({name: value for name, value in added.items() if name != "DS_ACCELERATOR"})
 
 
 def import_deepspeed_quietly() -> None:
@@ -64,8 +65,7 @@ _TAKEN_BACK: dict[str, str] = {}  # what DeepSpeed's import set and deepspeed_im
 def restore_import_environment() -> None:
     """For a run (process set-up, not a config check): the variables DeepSpeed's own import sets, where a config check
     imported it first and took them back, so the run sees what DeepSpeed arranged (unless the user set them)."""
-    for name, value in _TAKEN_BACK.items():
-        os.environ.setdefault(name, value)
+    set_variables(_TAKEN_BACK, keep_set=True)
 
 
 def op_buildable(builder_name: str) -> bool:
@@ -108,7 +108,7 @@ def extensions_dir() -> Path:
 def use_environment_folder() -> None:
     """For a DeepSpeed run (as DS_ACCELERATOR): torch builds and finds the ops in this environment's own folder unless
     the user chose one with TORCH_EXTENSIONS_DIR."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(environment_folder()))
+    set_variables({"TORCH_EXTENSIONS_DIR": str(environment_folder())}, keep_set=True)
 
 
 @contextmanager
@@ -120,7 +120,7 @@ def environment_folder_used():
         yield
     finally:
         if before is None:
-            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+            unset_variable("TORCH_EXTENSIONS_DIR")
 
 
 def build_folder(name: str) -> Path:
