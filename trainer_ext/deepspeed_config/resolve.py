@@ -8,11 +8,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..environment.launcher import world_size_from_environment
+from ..environment.launcher import resolve_world_size
 from .fields import Origin, Source, iter_fields, numbers_from_strings, set_field, show, source_of
 from .load import GIVEN_AS_DICT, DeepSpeedConfigError, load_deepspeed_config
 from .passes import (Draft, Run, batch, check_keys, clipping, field_types, file_scheduler, flag_scheduler, flag_value,
@@ -42,19 +41,6 @@ class Resolution:
     def scheduler_by_trainer(self) -> bool:
         """No DeepSpeed scheduler: transformers builds its own."""
         return source_of(self.provenance, "scheduler").origin is Origin.TRAINER
-
-
-def resolve_world_size(world_size: int | None = None) -> int:
-    """Explicit argument, else the launcher's WORLD_SIZE, else an initialised process group, else 1."""
-    if world_size is not None:
-        return int(world_size)
-    launched = world_size_from_environment()
-    if launched is not None:
-        return launched
-    dist = sys.modules.get("torch.distributed")  # only if the caller already imported torch
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
 
 
 def _phase_one(config: dict, run: Run, origin: str) -> Resolution:
@@ -106,7 +92,9 @@ def resolve_deepspeed_config(args: Any, config: Any = None, world_size: int | No
     `config`: dict, JSON text, path or preset name (default: args.deepspeed, else an empty config).
     `final=False` is the argument-time phase: fields needing the step count or the model stay "auto"
     and are listed in `pending` instead of failing. `cpu_ranks`: the ranks run on CPUs (settles the zero fields
-    that depend on it, TUNED_ZERO)."""
+    that depend on it, TUNED_ZERO). `world_size`: the ranks the batch fields are for; None, for a caller from Python,
+    reads this process's launch (environment.launcher.resolve_world_size), the translator's one look outside its
+    arguments (trainer_ext's own callers pass the value)."""
     if config is None:
         config = flag_value(args, "deepspeed") or {}
     user_config, origin = load_deepspeed_config(config)

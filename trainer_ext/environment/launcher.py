@@ -27,6 +27,19 @@ def launched_world_size() -> int:
     return world_size_from_environment() or 1
 
 
+def resolve_world_size(world_size: int | None = None) -> int:
+    """Explicit argument, else the launcher's WORLD_SIZE, else an initialised process group, else 1."""
+    if world_size is not None:
+        return int(world_size)
+    launched = world_size_from_environment()
+    if launched is not None:
+        return launched
+    dist = sys.modules.get("torch.distributed")  # only if the caller already imported torch
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
 def local_ranks() -> int:
     """Ranks started on this machine: the deepspeed launcher's LOCAL_SIZE, torchrun's LOCAL_WORLD_SIZE (LOCAL_SIZE
     first: under the deepspeed launcher accelerate's CPU device set-up writes LOCAL_WORLD_SIZE=1 on every rank)."""

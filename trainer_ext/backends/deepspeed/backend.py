@@ -44,11 +44,12 @@ class DeepSpeedBackend(Backend):
         """Phase 1 of the translation (with DeepSpeed's own check of the file), before transformers builds its own
         DeepSpeed config from `args.deepspeed`."""
         from .cuda_arch import check_for_deepspeed
-        from ...environment.launcher import cpu_ranks
+        from ...environment.launcher import cpu_ranks, resolve_world_size
 
         if not cpu_ranks(args):
             check_for_deepspeed()  # a TORCH_CUDA_ARCH_LIST its op builder cannot read: refused before any work
         return resolution_fields(resolve_checked(args, args.deepspeed, this_machine=True, final=False,
+                                                 world_size=resolve_world_size(),
                                                  cpu_ranks=cpu_ranks(args)))
 
     @classmethod
