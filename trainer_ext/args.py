@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from .backends import backend_class, rank_written, selection_problems
-from .backends.fairscale import OPTIONS as SHARDED_DDP_OPTIONS
+from .backends import backend_class, flag_classes, rank_written, selection_problems
 from .checkpoints.format import PATH, CheckpointNotFoundError, resume_request
 from .checkpoints.restarts import resumed_order_state
 from .config import checks
@@ -56,13 +55,10 @@ def flag_problems(args) -> list[str]:
     return checks.flag_problems(args, selection_problems)
 
 
+# The backends' own flags (FairScale's --sharded_ddp) are bases before TrainingArguments, so their fields follow
+# transformers' own and come before those declared here, in the order a positional call gives them.
 @dataclass
-class ExtTrainingArguments(TrainingArguments):
-    sharded_ddp: list[str] | None = field(
-        default=None,
-        metadata={"help": "FairScale sharded DDP: 'simple', or 'zero_dp_2'/'zero_dp_3' optionally with 'offload' "
-                          f"(space separated). Options: {', '.join(SHARDED_DDP_OPTIONS)}."},
-    )
+class ExtTrainingArguments(*flag_classes(), TrainingArguments):
     fp16_backend: str = field(
         default="auto", metadata={"help": "Mixed precision backend for --fp16.", "choices": list(FP16_BACKENDS)}
     )

@@ -25,6 +25,12 @@ def backend_flags() -> list[str]:
     return [cls.flag for cls in backend_classes() if cls.flag]
 
 
+def flag_classes() -> tuple[type, ...]:
+    """The dataclasses of the flags the backends bring themselves, for ExtTrainingArguments' bases (in this order:
+    their fields follow transformers' own)."""
+    return tuple(cls.flags for cls in backend_classes() if cls.flags is not None)
+
+
 def owned_flags() -> dict[str, tuple[str, ...]]:
     """Selecting flag -> every argument that backend reads (its section of an experiment file and its companions)."""
     return {cls.flag: cls.owned_flags or (cls.flag,) for cls in backend_classes() if cls.flag}
@@ -65,4 +71,5 @@ def select_backend(args) -> Backend:
 
 
 __all__ = ["BACKENDS", "Backend", "backend_class", "backend_classes", "backend_flags", "checkpoint_state_patterns",
+           "flag_classes",
            "owned_flags", "rank_written", "select_backend", "selection_problems"]

@@ -5,6 +5,7 @@ gradient to the rank that owns it (ShardedDataParallel); `zero_dp_2` / `zero_dp_
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 from ..config.values import option_words
 from ..errors import ArgumentsError, closest
@@ -20,9 +21,20 @@ OPTIONS = ("simple", "zero_dp_2", "zero_dp_3", "offload")
 SHARDED_DDP_BUCKET = 2 ** 23
 
 
+@dataclass
+class FairScaleFlags:
+    """This backend's own flag, composed into ExtTrainingArguments by the registry (backends.flag_classes)."""
+    sharded_ddp: list[str] | None = field(
+        default=None,
+        metadata={"help": "FairScale sharded DDP: 'simple', or 'zero_dp_2'/'zero_dp_3' optionally with 'offload' "
+                          f"(space separated). Options: {', '.join(OPTIONS)}."},
+    )
+
+
 class FairScaleBackend(Backend):
     name = "fairscale"
     flag = "sharded_ddp"
+    flags = FairScaleFlags
     library = "fairscale"
     install = INSTALL
     needs_process_group = True  # `python script.py --sharded_ddp simple`: OSS on one rank, as --deepspeed does

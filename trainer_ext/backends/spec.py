@@ -17,6 +17,9 @@ class BackendSpec:
     name = "ddp"
     flag: str | None = None  # the argument that selects this backend (None: the default when none is selected)
     owned_flags: tuple[str, ...] = ()  # every argument this backend reads (the selecting one first)
+    # The dataclass of the flags this backend brings (transformers' TrainingArguments has none of them), composed into
+    # ExtTrainingArguments; None: its flags are transformers' own.
+    flags: type | None = None
     library: str | None = None  # the module this backend needs installed, and how to install it
     install = ""
     # Parameter sharding: the model is wrapped before the optimizer, which is built on the shards.
