@@ -48,11 +48,11 @@ def backend_class(args) -> type[Backend]:
     return next((cls for cls in classes if cls.selected(args)), next(cls for cls in classes if cls.flag is None))
 
 
-def rank_written(args) -> str | None:
-    """What the selected backend's ranks each write into a checkpoint, with its flag as given (for SageMaker's
-    refusal on several hosts: "--deepspeed: each rank's optimizer partition"); None when rank 0 writes all of it."""
+def rank_written(args) -> tuple[str, str] | None:
+    """The selected backend's flag as given and what its ranks each write into a checkpoint (for SageMaker's refusal
+    on several hosts: ("--deepspeed", "each rank's optimizer partition")); None when rank 0 writes all of it."""
     cls = backend_class(args)
-    return f"{cls.given_as(args)}: {cls.rank_written_state}" if cls.rank_written_state else None
+    return (cls.given_as(args), cls.rank_written_state) if cls.rank_written_state else None
 
 
 def selection_problems(args) -> list[str]:

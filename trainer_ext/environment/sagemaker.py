@@ -96,12 +96,12 @@ def refuse_smdistributed(environ=None) -> None:
                              f"{TORCH_DISTRIBUTED}, with --deepspeed zero3 for a model bigger than one device")
 
 
-def prepare_arguments(args, rank_written: str | None = None, job: Job | None = None) -> dict:
+def prepare_arguments(args, rank_written: tuple[str, str] | None = None, job: Job | None = None) -> dict:
     """Inside a job: refuse smdistributed; with no --output_dir hyperparameter output_dir is SM_MODEL_DIR (the final
     model, which ExtTrainer saves there when training ends, tokenizer and *_results.json); checkpoints go to the synced
     checkpoint folder unless --checkpoint_dir says otherwise (also when --output_dir is /opt/ml/model: they would be
-    tarred into the model). `rank_written`: what the selected backend's ranks each write into a checkpoint, as its
-    `rank_written` says (refused on several hosts without a shared --checkpoint_dir). Returns the fields to set
+    tarred into the model). `rank_written`: the selected backend's flag and what its ranks each write into a checkpoint
+    (backends.rank_written), refused on several hosts without a shared --checkpoint_dir. Returns the fields to set
     (config.settings writes them); works on ExtTrainingArguments and on stock TrainingArguments (prepare_process calls
     it); once they are set it returns none."""
     job = job or current_job()
@@ -134,13 +134,13 @@ def say(job: Job, changed: list[str]) -> None:
         print(f"trainer_ext: SageMaker job on {job.current_host or 'this host'}: {'; '.join(changed)}", flush=True)
 
 
-def refuse_rank_written_state(args, rank_written: str | None, job: Job) -> None:
-    """A backend whose ranks each write part of a checkpoint (`rank_written`, e.g. "--deepspeed: each rank's optimizer
-    partition") leaves each part on its own host, and only host 1 publishes a checkpoint: on several hosts with the
+def refuse_rank_written_state(args, rank_written: tuple[str, str] | None, job: Job) -> None:
+    """A backend whose ranks each write part of a checkpoint (`rank_written`, e.g. ("--deepspeed", "each rank's
+    optimizer partition")) leaves each part on its own host, and only host 1 publishes a checkpoint: on several hosts with the
     per-host checkpoint folder, a spot restart could never resume. Refused before training."""
     saving = getattr(getattr(args, "save_strategy", "steps"), "value", getattr(args, "save_strategy", "steps"))
     if len(job.hosts) > 1 and rank_written and saving != "no":
-        flag, state = rank_written.split(": ", 1)
+        flag, state = rank_written
         raise ArgumentsError(f"{flag} on {len(job.hosts)} SageMaker hosts: {state} would stay on its own host's "
                              f"{job.checkpoint_dir} and a restart could not resume; pass --checkpoint_dir on a file "
                              "system the hosts share (FSx for Lustre, EFS), use one host, or --save_strategy no")
