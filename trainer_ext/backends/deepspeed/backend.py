@@ -65,7 +65,12 @@ class DeepSpeedBackend(Backend):
 
     @classmethod
     def arguments_for_training(cls, args) -> dict:
-        return {} if getattr(args, "deepspeed_resolution", None) is not None else stock_arguments(args)
+        # Stock TrainingArguments, which parsing never resolved: the same resolution ExtTrainingArguments makes (one
+        # path), then what transformers built from the unresolved file at its own __post_init__, rebuilt from it.
+        if getattr(args, "deepspeed_resolution", None) is not None:
+            return {}
+        values = cls.prepare_arguments(args)
+        return {**values, **transformers_objects(args, values)}
 
     @classmethod
     def prepare_process(cls, args) -> None:
@@ -468,25 +473,20 @@ def zero_stage(resolution) -> int:
     return int(config.get("zero_optimization", {}).get("stage", 0))
 
 
-def stock_arguments(args) -> dict:
-    """Phase 1 for stock TrainingArguments (ExtTrainingArguments ran it when parsed), as the fields to set:
-    transformers' config and accelerate's plugin rebuilt from its result exactly as transformers rebuilds them itself
+def transformers_objects(args, values: dict) -> dict:
+    """For stock TrainingArguments resolved late (`values`: prepare_arguments' fields): transformers' DeepSpeed config
+    and accelerate's plugin rebuilt from the resolution exactly as transformers rebuilds them itself
     (Trainer._hp_search_setup), from a copy of the arguments that holds the resolved flags."""
     import copy
 
     from accelerate.utils import DeepSpeedPlugin
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-    from ...environment.launcher import cpu_ranks
-
-    resolution = resolve_checked(args, args.deepspeed, this_machine=True, world_size=args.world_size, final=False,
-                                 cpu_ranks=cpu_ranks(args))
-    values = resolution_fields(resolution)
     resolved = copy.copy(args)
     resolved.__dict__.update(values)  # a copy: what transformers' config reads of the arguments, once resolved
     hf_config = HfTrainerDeepSpeedConfig(values["deepspeed"])
     hf_config.trainer_config_process(resolved)
-    return {**values, "hf_deepspeed_config": hf_config, "deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=hf_config)}
+    return {"hf_deepspeed_config": hf_config, "deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=hf_config)}
 
 
 def resolve_checked(args, config=None, this_machine: bool = False, **kwargs):
