@@ -401,6 +401,7 @@ def test_a_backend_writing_per_rank_state_on_several_hosts_needs_a_shared_checkp
     to SageMaker's step, and stock TrainingArguments meet the same refusal when the process is prepared."""
     from transformers import TrainingArguments
 
+    from trainer_ext import ExtTrainingArguments
     from trainer_ext.backends import rank_written
     from trainer_ext.training.prepare import prepare_process
 
@@ -416,6 +417,8 @@ def test_a_backend_writing_per_rank_state_on_several_hosts_needs_a_shared_checkp
                                   "sharded_ddp": None, **others})()
         assert rank_written(plain) is None
         assert "checkpoint_dir" in sagemaker.prepare_arguments(plain, rank_written(plain))
+    with pytest.raises(ArgumentsError, match=f"^{re.escape(said)} would stay"):  # as a job's script parses them
+        ExtTrainingArguments(save_strategy="steps", report_to="none", **flags)
     if "fsdp" in flags:  # stock TrainingArguments, as a user's own script builds them: refused at prepare_process
         stock = TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", report_to="none")
         with pytest.raises(ArgumentsError, match="^--fsdp on 2 SageMaker hosts: each rank's optimizer shard"):
