@@ -13,9 +13,10 @@ TEST_JOBS ?= 2
 
 setup: $(STAMP)
 
-$(PY):
-	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+# Each virtual environment here (.venv, .venv-oldest, .venv-newest): created, with pip upgraded.
+%/bin/python:
+	python3 -m venv $*
+	$@ -m pip install --quiet --upgrade pip
 
 # Every release pinned to what the suite last passed on (constraints/tested.txt): a new upstream release cannot break a
 # fresh clone or CI overnight. `make test-newest` tries the newest releases setup.py admits.
@@ -55,10 +56,6 @@ OLDEST_VENV ?= .venv-oldest
 OLDEST_PY := $(OLDEST_VENV)/bin/python
 OLDEST_STAMP := $(OLDEST_VENV)/.trainer_ext-installed
 
-$(OLDEST_PY):
-	python3 -m venv $(OLDEST_VENV)
-	$(OLDEST_PY) -m pip install --quiet --upgrade pip
-
 $(OLDEST_STAMP): $(OLDEST_PY) setup.py constraints/oldest.txt
 	$(OLDEST_PY) -c "import torch" 2>/dev/null || $(OLDEST_PY) -m pip install torch==2.13.0
 	$(OLDEST_PY) -m pip install -e ".[test-core]" -c constraints/oldest.txt
@@ -75,10 +72,6 @@ test-oldest: $(OLDEST_STAMP)
 NEWEST_VENV ?= .venv-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 TEST_NEWEST_ARGS ?= -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
-
-$(NEWEST_PY):
-	python3 -m venv $(NEWEST_VENV)
-	$(NEWEST_PY) -m pip install --quiet --upgrade pip
 
 test-newest: $(NEWEST_PY)
 	$(NEWEST_PY) -m pip install --upgrade --upgrade-strategy eager -e ".[test]" torch datasets

@@ -184,6 +184,14 @@ def summarise(results: dict, ranks: int, steps: int, warmup: int, seq_length: in
     return rows
 
 
+def measured(by_name: dict, precision: str):
+    """(configuration, its row, the row of DDP on its Trainer) for each configuration this run measured."""
+    for config in CONFIGS:
+        row = by_name.get((config.name, precision))
+        if row is not None:
+            yield config, row, by_name[(BASELINE[config.trainer], precision)]
+
+
 def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
     by_name = {(r["name"], r["precision"]): r for r in rows}
     lines = [f"# Backends on {meta['ranks']} ranks: throughput, per-rank memory, losses", "",
@@ -203,11 +211,8 @@ def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
                   "| configuration | samples/s | each repeat | × DDP (same Trainer) | ExtTrainer / stock |"
                   + (" tokens/s | MFU |" if cuda else ""),
                   "|---|---|---|---|---|" + ("---|---|" if cuda else "")]
-        for config in CONFIGS:
-            row = by_name.get((config.name, precision))
-            if row is None:
-                continue
-            ddp = by_name[(BASELINE[config.trainer], precision)]["samples_per_second"]
+        for config, row, baseline in measured(by_name, precision):
+            ddp = baseline["samples_per_second"]
             stock = by_name.get((config.stock, precision))
             overhead = (f"{row['samples_per_second'] / stock['samples_per_second']:.3f}"
                         if config.trainer == "ext" and stock else "")
@@ -222,11 +227,8 @@ def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
                   "| configuration | rank | params | grads | Adam moments | fp32 master | model states | formula | "
                   "measured / formula | moments / DDP's | peak RSS |" + (" peak CUDA |" if cuda else ""),
                   "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "")]
-        for config in CONFIGS:
-            row = by_name.get((config.name, precision))
-            if row is None:
-                continue
-            ddp_rows = by_name[(BASELINE[config.trainer], precision)]["per_rank"]
+        for config, row, baseline in measured(by_name, precision):
+            ddp_rows = baseline["per_rank"]
             formula = predicted_model_states(row, meta["ranks"])
             for rank, ddp in zip(row["per_rank"], ddp_rows):
                 line = (f"| {config.name} | {rank['rank']} | {rank['params'] / MIB:.2f} | {rank['grads'] / MIB:.2f} | "
@@ -239,11 +241,8 @@ def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
                 lines.append(line)
         lines += ["", f"## Losses ({precision})", "", "| configuration | first | final | max difference to DDP "
                   "(same Trainer) |", "|---|---|---|---|"]
-        for config in CONFIGS:
-            row = by_name.get((config.name, precision))
-            if row is None:
-                continue
-            ddp = by_name[(BASELINE[config.trainer], precision)]["losses"]
+        for config, row, baseline in measured(by_name, precision):
+            ddp = baseline["losses"]
             difference = max(abs(a - b) for a, b in zip(row["losses"], ddp))
             lines.append(f"| {config.name} | {row['losses'][0]:.6f} | {row['losses'][-1]:.6f} | {difference:.1e} |")
         lines.append("")

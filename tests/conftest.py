@@ -122,28 +122,10 @@ def _no_world_size_env(monkeypatch):
     os.environ.update(before)
 
 
-@pytest.fixture(scope="session")
-def plain_runs():
-    """examples/run_glue.py for 20 steps: single process, DDP and ZeRO-2 (support/references.py)."""
-    return references.plain_runs()
-
-
-@pytest.fixture(scope="session")
-def accumulate_runs():
-    """12 steps with accumulation 2 and clipping: single process, DDP and ZeRO-2 (support/references.py)."""
-    return references.accumulate_runs()
-
-
-@pytest.fixture(scope="session")
-def tiny_runs():
-    """tests/scripts/tiny_train.py for 12 steps of 16 samples on one process (support/references.py)."""
-    return references.tiny_runs()
-
-
-@pytest.fixture(scope="session")
-def trl_runs():
-    """TRL's SFTTrainer on the tiny Llama, stock and combined with ExtTrainer (support/references.py)."""
-    return references.trl_runs()
+# The shared reference runs, each started once per session (support/references.py says what each holds).
+for _runs in (references.plain_runs, references.accumulate_runs, references.tiny_runs, references.trl_runs):
+    globals()[_runs.__name__] = pytest.fixture(scope="session")(_runs)
+del _runs
 
 
 @pytest.fixture(scope="session")

@@ -117,9 +117,11 @@ def train(argv: list[str]) -> int:
                 resolved["training"]["checkpoint_storage_options"])
         print(yaml.safe_dump(resolved, sort_keys=False), end="")
         return 0
+    from .search.callback import trial_callback
     from .tasks.driver import report
 
-    metrics = experiment.run()
+    trial = trial_callback()  # a trial of `trainer-ext search`: its evaluations reach the study's pruner
+    metrics = experiment.run(callbacks=[trial] if trial else [])
     if experiment.training_args.process_index == 0:
         print(json.dumps(metrics, indent=2, default=str))
     report(experiment.task, metrics, experiment.training_args)  # the recipe's last lines, as its example prints them

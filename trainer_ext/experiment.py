@@ -51,8 +51,8 @@ class Experiment:
     training_args: Any
     given: dict = dataclasses.field(default_factory=dict)
 
-    def run(self) -> dict:
-        return run_task(self.task, self.model_args, self.data_args, self.training_args)
+    def run(self, callbacks: Sequence = ()) -> dict:
+        return run_task(self.task, self.model_args, self.data_args, self.training_args, callbacks)
 
     def resolved(self) -> dict:
         """What would run (`--check`): every model and data field, each training field the file or flags set."""

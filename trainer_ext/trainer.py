@@ -40,7 +40,6 @@ from .checkpoints.restarts import RestartReport, failure, note_stop
 from .checkpoints.final_model import save_final_model
 from .training.prepare import prepare_process
 from .environment.launcher import check_process_group, release_at_exit
-from .search.callback import trial_callback
 from .config.checks import hub_problems
 from .config.optimizer import OptimizerSettings, SchedulerSettings
 
@@ -118,9 +117,6 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self.compute_metrics = checked_compute_metrics(self)  # not a dict of numbers: one line, progress saved
         self.preemption = PreemptionCallback()
         self.add_callback(self.preemption)
-        self.search_trial = trial_callback()  # inside `trainer-ext search`: evaluations reach the study's pruner
-        if self.search_trial is not None:
-            self.add_callback(self.search_trial)
         progress.install(self)  # main process: bar with samples/s and ETA; resolved settings printed at start
         if self.args.include_num_input_tokens_seen == "all" and self.is_world_process_zero():
             logger.warning("include_num_input_tokens_seen='all' counts the padding of every batch, which depends on how "
@@ -510,8 +506,6 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                 note_stop(self, f"stopped on {signal.Signals(self.preemption.signum).name}")
             logger.warning("preempted: checkpoint %s written; run the same command again to resume", saved)
             raise Preempted(self.preemption.signum, saved)
-        if self.search_trial is not None:
-            self.search_trial.stop_if_pruned()  # after its checkpoint: the search records the trial as pruned
         if self.is_world_process_zero():
             Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
             self.backend.settings().write(self.args.output_dir)

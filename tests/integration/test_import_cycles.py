@@ -113,9 +113,6 @@ BACK_UP = {
     ("trainer_ext.config.flags", "trainer_ext.args"):
         "ExtTrainingArguments' path from 2026-11-24 to 2026-11-28, re-exported: a training_args.bin saved then "
         "pickles it (test_args.py loads one)",
-    ("trainer_ext.trainer", "trainer_ext.search.callback"):
-        "a search trial is the user's own script, started by the search: the trial's callback is found from the "
-        "process's environment (TRAINER_EXT_TRIAL), as no caller can pass it in",
 }
 
 

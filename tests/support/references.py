@@ -65,6 +65,7 @@ class SharedRuns:
 
 
 def plain_runs() -> SharedRuns:
+    """examples/run_glue.py for 20 steps: single process, DDP and ZeRO-2."""
     return SharedRuns("plain", {
         "single": ["single", *PLAIN, "--per_device_train_batch_size", 16],
         "ddp": ["torchrun", *PLAIN, "--per_device_train_batch_size", 8],
@@ -74,6 +75,7 @@ def plain_runs() -> SharedRuns:
 
 
 def accumulate_runs() -> SharedRuns:
+    """12 steps with accumulation 2 and clipping: single process, DDP and ZeRO-2."""
     return SharedRuns("accumulate", {
         "single": ["single", *ACCUMULATE, "--per_device_train_batch_size", 8, "--save_strategy", "steps",
                    "--save_steps", 6],

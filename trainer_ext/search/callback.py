@@ -2,7 +2,9 @@
 study at the number of training samples seen so far (not steps: trials with other batch sizes are compared at the same
 amount of data) and asks the pruner; every rank follows its answer, so a pruned trial saves a checkpoint on all ranks
 and stops. Under successive halving and Hyperband with min_resource given, an evaluation also runs at the first step
-that reaches each rung's sample count. ExtTrainer adds this callback when the search set TRIAL_ENV: experiment files and scripts need nothing."""
+that reaches each rung's sample count. `trainer-ext train`, the command each trial runs, passes this callback to the
+recipe when the search set TRIAL_ENV (`trial_callback`): ExtTrainer knows nothing of searches, experiment files need
+nothing. A pruned trial ends when training does (its checkpoint written), with exit status PRUNED_STATUS."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ RUNG_DEFAULTS = {"successive_halving": (4, 0), "hyperband": (3, 0)}
 
 
 class TrialPruned(SystemExit):
-    """Raised by ExtTrainer.train after the pruned trial's checkpoint is written; exit status PRUNED_STATUS."""
+    """Raised when the pruned trial's training ends (on_train_end; ExtTrainer.train waits for its checkpoint on the way
+    out); exit status PRUNED_STATUS."""
 
     def __init__(self, step: int):
         self.step = step
@@ -57,6 +60,8 @@ class SearchTrialCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.training = False
+        if self.pruned_at is not None:  # on every rank; the search records the trial as pruned
+            raise TrialPruned(self.pruned_at)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if not self.training:
@@ -97,10 +102,6 @@ class SearchTrialCallback(TrainerCallback):
         print(f"trainer_ext: search trial {self.spec['number']} pruned at step {state.global_step}, {samples} samples "
               f"({metric} {value:.4g}): saving a checkpoint and stopping", flush=True)
         return True
-
-    def stop_if_pruned(self) -> None:
-        if self.pruned_at is not None:
-            raise TrialPruned(self.pruned_at)
 
 
 def samples_per_step(args) -> int:

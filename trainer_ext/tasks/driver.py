@@ -42,10 +42,10 @@ def argument_classes(task: str) -> tuple:
     return recipe.ModelArguments, recipe.DataArguments, getattr(import_module(module), name)
 
 
-def run_task(task: str, model_args, data_args, training_args) -> dict:
+def run_task(task: str, model_args, data_args, training_args, callbacks: Sequence = ()) -> dict:
     """The recipe's sequence: its checks before anything loads (the output folder, the steps asked for, the metric for
-    the best model), the process set up, its data, model and trainer, then --evaluate_before_training, --do_train
-    (train and save), --do_eval, --do_predict. Returns every metric."""
+    the best model), the process set up, its data, model and trainer (given `callbacks` too, last: a search trial's),
+    then --evaluate_before_training, --do_train (train and save), --do_eval, --do_predict. Returns every metric."""
     from ..training.prepare import prepare_process
     from .common import check_best_metric, check_output_dir, check_something_to_do, train_and_save
 
@@ -59,6 +59,8 @@ def run_task(task: str, model_args, data_args, training_args) -> dict:
     prepare_process(training_args)  # before the data and model load (--checkpoint_uri checked, threads per rank)
     prepared = recipe.setup(model_args, data_args, training_args)
     trainer, results = prepared.trainer, {}
+    for callback in callbacks:
+        trainer.add_callback(callback)
 
     def evaluate(prefix: str) -> dict:
         if prepared.evaluate is not None:
