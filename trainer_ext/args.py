@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from .backends import backend_class, flag_classes, rank_written, selection_problems
+from .backends import backend_class, flag_classes, missing_library, rank_written, selection_problems, settle
 from .checkpoints.format import PATH, CheckpointNotFoundError, resume_request
 from .checkpoints.restarts import resumed_order_state
 from .config import checks
@@ -159,9 +159,10 @@ class ExtTrainingArguments(*flag_classes(), TrainingArguments):
         # The global batch over this start's ranks (--global_batch_size, or the resumed run's), before DeepSpeed's
         # translator, transformers and accelerate read the per-device batch and accumulation.
         write(self, batch_fields(self, launched_world_size(), resumed_order_state(self)))
-        # The selected backend's settings (DeepSpeed: the config resolved against these flags, as deepspeed_resolution).
-        write(self, {"deepspeed_resolution": None, **backend_class(self).prepare_arguments(self)})
-        if missing := backend_class(self).missing_library(self):  # before transformers or accelerate import it
+        # The selected backend's settings (DeepSpeed: the config resolved against these flags), handed to it in
+        # run_settings.
+        write(self, settle(self, parsing=True))
+        if missing := missing_library(backend_class(self), self):  # before transformers or accelerate import it
             raise ArgumentsError(missing)
         check_fp16_device(self.fp16, torch.cuda.is_available(), from_deepspeed_file=False)
         self.check_output_dir()

@@ -83,7 +83,7 @@ def test_hyperparameter_sections_reach_the_training_arguments():
     assert str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) == "linear"
     assert args.warmup_steps == 0.1
     assert experiment.model_args.config_kwargs == {"hidden_dropout_prob": 0.1}
-    assert args.deepspeed_resolution is not None  # the backend file, named relative to the experiment file
+    assert args.run_settings.settled is not None  # the backend file, named relative to the experiment file
 
 
 def test_two_backends_are_refused_before_training():

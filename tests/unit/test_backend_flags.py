@@ -1,12 +1,16 @@
 """A backend brings its own flags: FairScale's --sharded_ddp is declared in backends/fairscale.py and composed into
-ExtTrainingArguments by the registry (torchtitan's component configs), so the arguments name no backend."""
+ExtTrainingArguments by the registry (torchtitan's component configs), so the arguments name no backend. What it
+settles from them is settled once, at parsing, and handed to its constructor (RunSettings)."""
 
 import dataclasses
+import pickle
 
+import pytest
 from transformers import TrainingArguments
 
 from trainer_ext import ExtArgumentParser, ExtTrainingArguments
-from trainer_ext.backends import backend_classes, flag_classes
+from trainer_ext.backends import RunSettings, backend_class, backend_classes, flag_classes, select_backend
+from trainer_ext.backends.fsdp.settings import FSDPSettings
 
 
 def test_each_backends_flags_are_composed_into_the_arguments_in_a_stable_order():
@@ -20,3 +24,23 @@ def test_each_backends_flags_are_composed_into_the_arguments_in_a_stable_order()
     assert not set(brought) & set(ExtTrainingArguments.__dict__.get("__annotations__", {}))  # declared once, there
     parser = ExtArgumentParser(ExtTrainingArguments)
     assert "Options: simple, zero_dp_2, zero_dp_3, offload" in " ".join(parser.format_help().split())
+
+
+def test_what_parsing_settled_selects_the_backend_and_reaches_its_constructor(tmp_path):
+    """FSDP2: parsing settles its FSDPSettings; on one process --fsdp is then hidden from transformers' one-process
+    check (prepare_process writes False); the backend is chosen by what was settled (not by the flag), its constructor
+    receives the same object, and a pickled training_args.bin brings both back. Fails if, after parsing, the backend is
+    chosen by its flags alone or settles them again."""
+    args = ExtTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", fsdp="full_shard")
+    run = args.run_settings
+    assert run.backend == "fsdp" and isinstance(run.settled, FSDPSettings) and run.parsed
+    assert type(args).fsdp is None and vars(args)["fsdp"]  # a field: set as prepare_process sets it on one process
+    args.fsdp = False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.backend = "ddp"
+    backend = select_backend(args)
+    assert type(backend).name == "fsdp" and backend.settled is run.settled and backend.resolved is run.settled
+    loaded = pickle.loads(pickle.dumps(args))
+    assert loaded.run_settings == run and backend_class(loaded) is type(backend)
+    plain = ExtTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert plain.run_settings == RunSettings("ddp", None, True) and select_backend(plain).settled is None

@@ -9,6 +9,7 @@ import torch
 from transformers import TrainingArguments
 
 from trainer_ext import ExtTrainingArguments
+from trainer_ext.backends import RunSettings
 from trainer_ext.backends.fairscale import (check_machine, fsdp_settings, grads_in_parameter_dtype,
                                            optimizer_kwargs_for_scaler)
 from trainer_ext.errors import ArgumentsError
@@ -94,7 +95,8 @@ def test_offload_keeps_the_model_where_fsdp_wants_it():
     assert isinstance(TrainingArguments.__dict__["place_model_on_device"], property)
     args = ExtTrainingArguments(output_dir="unused", use_cpu=True, report_to="none")
     assert args.place_model_on_device is None  # transformers decides, as before
-    args.sharded_ddp = ["zero_dp_2", "offload"]  # only CUDA machines accept it at parse time
+    # only CUDA machines accept it at parse time, which settles it so
+    args.sharded_ddp, args.run_settings = ["zero_dp_2", "offload"], RunSettings("fairscale")
     assert args.place_model_on_device is False
 
 

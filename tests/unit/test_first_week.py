@@ -727,7 +727,7 @@ def test_a_preset_name_needs_ext_arguments_and_its_file_serves_stock_ones(tmp_pa
     common = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     with pytest.raises(ValueError, match="Expected a string path to an existing deepspeed config"):
         TrainingArguments(**common, deepspeed="zero2_minimal")
-    assert ExtTrainingArguments(**common, deepspeed="zero2_minimal").deepspeed_resolution is not None
+    assert ExtTrainingArguments(**common, deepspeed="zero2_minimal").run_settings.settled is not None
     TrainingArguments(**common, deepspeed=str(presets_dir() / "zero2_minimal.json"))  # the file the docs give
     assert (REPO / "ds_configs" / "zero2_minimal.json").is_file()
     for page in ("README.md", "docs/errors.md"):
@@ -749,7 +749,7 @@ def test_an_empty_deepspeed_file_is_refused_and_braces_alone_are_said(tmp_path, 
     code, out, err = cli(capsys, "ds-config", "--deepspeed", braces, "--output_dir", tmp_path / "out")
     assert code == 0 and json.loads(out)["zero_optimization"]["stage"] == 2 and err.count(said) == 1
     args = ExtTrainingArguments(output_dir=str(tmp_path / "out"), deepspeed=str(braces), use_cpu=True, report_to="none")
-    assert args.deepspeed_resolution.notes.count(said) == 1  # printed with the run's settings when training starts
+    assert args.run_settings.settled.notes.count(said) == 1  # printed with the run's settings when training starts
     code, _, err = cli(capsys, "ds-config", "--output_dir", tmp_path / "out")  # no file at all: nothing to say
     assert code == 0 and "is empty" not in err
 
@@ -760,7 +760,7 @@ def test_ds_config_says_the_notes_training_says(tmp_path, capsys):
     config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
     code, _, err = cli(capsys, "ds-config", "--deepspeed", json.dumps(config), "--output_dir", tmp_path / "out")
     notes = ExtTrainingArguments(output_dir=str(tmp_path / "out"), deepspeed=config, use_cpu=True,
-                                 report_to="none").deepspeed_resolution.notes
+                                 report_to="none").run_settings.settled.notes
     assert code == 0 and any('"nvme" at stage 2' in note and 'it trains as "cpu"' in note for note in notes)
     assert [line.removeprefix("trainer-ext ds-config: note: ") for line in err.splitlines() if " note: " in line
             and "nvme_path" not in line.split(" note: ")[0]] == notes

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
 
+from trainer_ext.backends import RunSettings
 from trainer_ext.backends.fsdp.backend import FSDPBackend, shard, sharding_choices, wrap_units
 from trainer_ext.backends.fsdp.settings import FSDP1_KEYS, FSDP1_OPTIONS, FSDPSettings, resolve_settings
 from trainer_ext.errors import UserError
@@ -102,7 +103,7 @@ def loading_args(rank, world_size=2, efficient=True, place_model_on_device=False
     from transformers.training_args import ParallelMode
 
     mode = ParallelMode.DISTRIBUTED if world_size > 1 else ParallelMode.NOT_DISTRIBUTED
-    return SimpleNamespace(fsdp="full_shard", fsdp_config={"cpu_ram_efficient_loading": efficient}, fsdp_settings=None,
+    return SimpleNamespace(fsdp="full_shard", fsdp_config={"cpu_ram_efficient_loading": efficient},
                            process_index=rank, world_size=world_size, place_model_on_device=place_model_on_device,
                            parallel_mode=mode, global_batch="settled when parsed", ddp_timeout=1800)
 
@@ -172,7 +173,7 @@ def test_shard_applies_the_settings(world_of_one, reshard_after_forward):
     settings = FSDPSettings(reshard_after_forward=reshard_after_forward, layer_classes=("BertLayer",),
                             activation_checkpointing=True)
     args = SimpleNamespace(device=torch.device("cpu"), world_size=1, process_index=0, bf16=True, fp16=False,
-                           fsdp_settings=settings)
+                           run_settings=RunSettings("fsdp", settings))
     shard(model, settings, args)
     assert isinstance(model, FSDPModule) and all(isinstance(layer, FSDPModule) for layer in model.bert.encoder.layer)
     assert all(layer.gradient_checkpointing for layer in model.bert.encoder.layer)

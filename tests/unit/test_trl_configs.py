@@ -104,7 +104,7 @@ def test_trls_bf16_default_reaches_the_deepspeed_config(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = ExtSFTConfig(output_dir=str(tmp_path), use_cpu=True, deepspeed="zero2_minimal")
-    config = args.deepspeed_resolution.config
+    config = args.run_settings.settled.config
     assert (args.bf16, config["bf16"]["enabled"], config["fp16"]["enabled"]) == (True, True, False)
 
 

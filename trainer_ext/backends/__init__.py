@@ -6,6 +6,7 @@ from __future__ import annotations
 from importlib import import_module
 
 from .base import Backend
+from .spec import RunSettings, missing_library
 
 # In order of precedence when choosing; the last one (no flag) is the default.
 BACKENDS = {
@@ -43,9 +44,14 @@ def checkpoint_state_patterns() -> list[str]:
 
 
 def backend_class(args) -> type[Backend]:
-    """The backend these arguments select (several selected is a problem `selection_problems` reports)."""
+    """The backend these arguments settled for (RunSettings), else the one their flags select (several selected is a
+    problem `selection_problems` reports)."""
     classes = backend_classes()
-    return next((cls for cls in classes if cls.selected(args)), next(cls for cls in classes if cls.flag is None))
+    run = getattr(args, "run_settings", None)
+    if run is not None:
+        return next(cls for cls in classes if cls.name == run.backend)
+    return next((cls for cls in classes if cls.given_as(args) is not None),
+                next(cls for cls in classes if cls.flag is None))
 
 
 def rank_written(args) -> tuple[str, str] | None:
@@ -59,11 +65,29 @@ def selection_problems(args) -> list[str]:
     """Every backend's own flag problems, and more than one backend chosen."""
     classes = backend_classes()
     problems = [problem for cls in classes for problem in cls.owned_flag_problems(args)]
-    chosen = [cls for cls in classes if cls.selected(args)]
+    chosen = [cls for cls in classes if cls.given_as(args) is not None]
     if len(chosen) > 1:
         problems.append(f"{' and '.join(cls.given_as(args) for cls in chosen)} both choose a backend: give only one "
                         "of them")
     return problems
+
+
+def settle(args, parsing: bool) -> dict:
+    """The fields the selected backend settles from its flags and `run_settings`, which hands what it settled to its
+    constructor: for config.settings to write, once. `parsing`: ExtTrainingArguments, before transformers reads them;
+    else stock TrainingArguments, which transformers set up already (the backend's `arguments_for_training` then
+    rebuilds what it built)."""
+    cls = backend_class(args)
+    fields, settled = cls.settle(args)
+    return {**fields, "run_settings": RunSettings(cls.name, settled, parsing)}
+
+
+def import_libraries_quietly() -> None:
+    """The backends' libraries that transformers or accelerate import whenever they are installed, selected or not,
+    imported now without what their import says or sets (DeepSpeed: "Setting accelerator to CPU" and its variables)."""
+    from .deepspeed.ops import import_deepspeed_quietly
+
+    import_deepspeed_quietly()
 
 
 def select_backend(args) -> Backend:
@@ -71,5 +95,5 @@ def select_backend(args) -> Backend:
 
 
 __all__ = ["BACKENDS", "Backend", "backend_class", "backend_classes", "backend_flags", "checkpoint_state_patterns",
-           "flag_classes",
-           "owned_flags", "rank_written", "select_backend", "selection_problems"]
+           "flag_classes", "import_libraries_quietly", "missing_library", "owned_flags", "rank_written", "RunSettings", "select_backend", "selection_problems",
+           "settle"]

@@ -1,8 +1,9 @@
 """The Backend interface: a backend's runtime, as ExtTrainer, the process set-up and the checkpoint code ask for it (the
-shape of Lightning's `Strategy`); none of them names a backend. Three phases: the process and the model's context,
-training (optimizer, wrapping, resume, clipping, saving, evaluation), and teardown. Its pure half (flags, memory
-formulas, checkpoint patterns) is spec.py's BackendSpec. A backend module imports torch and its library only when a
-method runs, so the registry (backends/__init__.py) and the planner read every backend on a machine without them."""
+shape of Lightning's `Strategy`); none of them names a backend. Moments 2 and 3 of a backend: preparing the process
+(and the model's context), then the trainer's hooks (optimizer, wrapping, resume, clipping, saving, evaluation,
+teardown). Moment 1, settling its flags, is its pure half: spec.py's BackendSpec. A backend module imports torch and
+its library only when a method runs, so the registry (backends/__init__.py) and the planner read every backend on a
+machine without them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..integrations import internals
-from .spec import BackendFormula, BackendSpec
+from .spec import BackendFormula, BackendSpec, RunSettings, missing_library, settled_for
 
 
 @dataclass(frozen=True)
@@ -37,18 +38,20 @@ class ResolvedSettings:
 
 class Backend(BackendSpec):
     """The default (DDP through accelerate, or one process) needs none of the hooks; a backend overrides what it does
-    differently. Building one for a run's arguments checks that it can run here (its library first)."""
+    differently. Building one for a run's arguments checks that it can run here (its library first); `settled` is what
+    it settled from its flags when they were parsed (RunSettings)."""
 
     def __init__(self, args=None):
         self.args = args
+        self.settled = settled_for(type(self), args)
         if args is not None:
-            problem = self.missing_library(args)
+            problem = missing_library(type(self), args)
             if problem:
                 from ..errors import MissingLibraryError
 
                 raise MissingLibraryError(problem)
 
-    # -- 1. the process and the model's context (before a trainer exists) -------------------------------------------
+    # -- moment 2, prepare the process and the model's context (before a trainer exists) ------------------------------
     @classmethod
     def prepare_process(cls, args) -> None:
         """trainer_ext.prepare_process's part for this backend, once the arguments exist and before a model is built
@@ -61,7 +64,7 @@ class Backend(BackendSpec):
         partitioned as they are built where the backend can, else nothing."""
         return nullcontext()
 
-    # -- 2. training (ExtTrainer calls these from the Trainer's public hooks) ----------------------------------------
+    # -- moment 3, the trainer's hooks (ExtTrainer calls these from the Trainer's public hooks) ----------------------
     def callbacks(self, trainer) -> list:
         """TrainerCallbacks this backend adds to the trainer when it is built."""
         return []
@@ -119,7 +122,7 @@ class Backend(BackendSpec):
         """What this backend resolved for the run (printed when training starts, written next to the model)."""
         return ResolvedSettings(self.name)
 
-    # -- 3. teardown ---------------------------------------------------------------------------------------------------
+    # -- ... and at its end --------------------------------------------------------------------------------------------
     def teardown(self, trainer) -> Callable[[], None] | None:
         """At exit, before the process group is destroyed: release what holds it (engines of the backend's own, the
         trainer's references to them). Returns what to run once the group is gone (cleaning up what the backend
@@ -127,4 +130,4 @@ class Backend(BackendSpec):
         return None
 
 
-__all__ = ["Backend", "BackendFormula", "BackendSpec", "ResolvedSettings"]
+__all__ = ["Backend", "BackendFormula", "BackendSpec", "ResolvedSettings", "RunSettings"]

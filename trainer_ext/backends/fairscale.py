@@ -40,8 +40,9 @@ class FairScaleBackend(Backend):
     needs_process_group = True  # `python script.py --sharded_ddp simple`: OSS on one rank, as --deepspeed does
 
     @classmethod
-    def given_as(cls, args) -> str:
-        return f"--sharded_ddp {' '.join(option_words(args.sharded_ddp))}"
+    def given_as(cls, args) -> str | None:
+        return f"--sharded_ddp {' '.join(option_words(args.sharded_ddp))}" if getattr(args, "sharded_ddp", None) \
+            else None
 
     @classmethod
     def owned_flag_problems(cls, args) -> list[str]:
@@ -52,12 +53,12 @@ class FairScaleBackend(Backend):
         return []
 
     @classmethod
-    def prepare_arguments(cls, args) -> dict:
+    def settle(cls, args) -> tuple[dict, None]:
         import torch
 
         options = parse_options(args.sharded_ddp)  # the option list the backend reads
         check_machine(options, torch.cuda.is_available(), bool(args.fp16 or args.bf16))
-        return {"sharded_ddp": options}
+        return {"sharded_ddp": options}, None  # the flag's own field holds what it settled
 
     @classmethod
     def places_model_on_device(cls, args) -> bool | None:

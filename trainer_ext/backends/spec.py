@@ -5,7 +5,7 @@ backend library imported."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 
 class BackendSpec:
@@ -38,24 +38,12 @@ class BackendSpec:
     # share holds together: SageMaker's per-host checkpoint folder refuses such a backend on several hosts.
     rank_written_state: str | None = None
 
-    # -- the arguments (before any trainer exists) -----------------------------------------------------------------
+    # -- moment 1, settle: the arguments (before any trainer exists) --------------------------------------------------
     @classmethod
-    def missing_library(cls, args) -> str | None:
-        """One line when this backend's library is not installed (before transformers or accelerate import it)."""
-        import importlib.util
-
-        if cls.library and importlib.util.find_spec(cls.library) is None:
-            return f"{cls.given_as(args)} needs {cls.library}, which is not installed: {cls.install}"
-        return None
-
-    @classmethod
-    def selected(cls, args) -> bool:
-        return bool(cls.flag and getattr(args, cls.flag, None))
-
-    @classmethod
-    def given_as(cls, args) -> str:
-        """The selecting flag as the user typed it, for messages."""
-        return f"--{cls.flag}"
+    def given_as(cls, args) -> str | None:
+        """The selecting flag as the user typed it (for messages), or None when these arguments do not select this
+        backend."""
+        return f"--{cls.flag}" if cls.flag and getattr(args, cls.flag, None) else None
 
     @classmethod
     def owned_flag_problems(cls, args) -> list[str]:
@@ -64,12 +52,12 @@ class BackendSpec:
         return []
 
     @classmethod
-    def prepare_arguments(cls, args) -> dict:
+    def settle(cls, args) -> tuple[dict, Any]:
         """Once the flags are valid and this backend is selected, before transformers sets up the device: checks
-        that depend on this machine, and what the backend settles from its flags (their values as it reads them and
-        its resolved settings), as the fields to set (config.settings writes them). Values only: no variable, file or
-        process group (that is prepare_process)."""
-        return {}
+        that depend on this machine, then what the backend settles from its flags: (the fields transformers reads, as
+        they are to be set; what the backend itself settled, handed to its constructor in RunSettings). Values only:
+        no variable, file or process group (that is prepare_process)."""
+        return {}, None
 
     @classmethod
     def arguments_ready(cls, args) -> dict:
@@ -79,8 +67,9 @@ class BackendSpec:
 
     @classmethod
     def arguments_for_training(cls, args) -> dict:
-        """When a process is prepared for training: what parsing settled, for arguments that were not parsed by
-        ExtTrainingArguments (stock TrainingArguments), and what only the process knows; {} once set."""
+        """When a process is prepared for training, once the arguments are settled (stock TrainingArguments only now,
+        RunSettings.parsed False): what transformers built from the fields before they were settled, rebuilt, and
+        what only the process knows."""
         return {}
 
     @classmethod
@@ -89,6 +78,7 @@ class BackendSpec:
         built; None lets transformers decide."""
         return None
 
+    # -- facts read without a run: the planner's, the checkpoint's ----------------------------------------------------
     @classmethod
     def memory_formulas(cls, mixed: bool) -> list:
         """The planner's rows (BackendFormula, below) for the settings this backend runs."""
@@ -104,6 +94,36 @@ class BackendSpec:
             "model_type": getattr(config, "model_type", None),
             "num_parameters": sum(p.numel() for p in module.parameters()),
         }
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the arguments settled once for the backend they select (ExtTrainingArguments when parsed, stock
+    TrainingArguments when a process is prepared): the backend's name and what it settled from its flags (DeepSpeed:
+    the translated config's resolution; FSDP2: its FSDPSettings; None: nothing of its own), and whether that was at
+    parsing (False: stock TrainingArguments, which transformers set up before anything settled them). The backend's
+    constructor receives it; the registry chooses the backend by it once it is there."""
+    backend: str
+    settled: Any = None
+    parsed: bool = True
+
+
+def settled_for(backend: type[BackendSpec], args) -> Any:
+    """What `backend` settled for these arguments (RunSettings.settled); None where they are not settled yet, or were
+    settled for another backend."""
+    run = getattr(args, "run_settings", None)
+    return run.settled if run is not None and run.backend == backend.name else None
+
+
+def missing_library(backend: type[BackendSpec], args) -> str | None:
+    """One line when the backend's library (its `library`) is not installed, before transformers or accelerate import
+    it."""
+    import importlib.util
+
+    if backend.library and importlib.util.find_spec(backend.library) is None:
+        return f"{backend.given_as(args) or backend.name} needs {backend.library}, which is not installed: " \
+               f"{backend.install}"
+    return None
 
 
 @dataclass(frozen=True)

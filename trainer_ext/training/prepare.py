@@ -7,8 +7,7 @@ from __future__ import annotations
 import logging
 import weakref
 
-from ..backends import Backend, backend_class, rank_written
-from ..backends.deepspeed.ops import import_deepspeed_quietly
+from ..backends import Backend, backend_class, import_libraries_quietly, rank_written, settle
 from ..checkpoints.restarts import resumed_order_state
 from ..config.batch import batch_fields
 from ..config.settings import write
@@ -25,18 +24,17 @@ _PREPARED: list[weakref.ref] = []  # the arguments this process is set up for (d
 def prepare_process(args) -> None:
     """What training with `args` needs of this process, in one place: a SageMaker job's TensorBoard folder (and its
     model and checkpoint folders on stock TrainingArguments), each CPU rank's share of the cores, a 1-rank process
-    group when no launcher started a backend that needs one, DeepSpeed imported where installed (as accelerate would,
-    without its warning or variables), stock TrainingArguments resolved as parsing resolves ExtTrainingArguments (the
-    global batch over this start's ranks first), the selected backend's own set-up (DeepSpeed: DS_ACCELERATOR on a
-    machine without a GPU, stale leftovers removed, TORCH_CUDA_ARCH_LIST made readable, the group joined under ZeRO-3),
-    --ddp_timeout bounding the group's collectives on CPU ranks too, a torchrun worker stopping with its agent, and
+    group when no launcher started a backend that needs one, the backends' libraries imported where installed (as
+    accelerate would, without what their import says or sets), stock TrainingArguments settled as parsing settles
+    ExtTrainingArguments (the global batch over this start's ranks first), the selected backend's own set-up (its
+    prepare_process), --ddp_timeout bounding the group's collectives on CPU ranks too, a torchrun worker stopping with its agent, and
     --checkpoint_uri taking a write (main process: one probe object, then deleted) before any model is loaded."""
     if args is None or any(ref() is args for ref in _PREPARED):
         return  # the recipes, sharded_loading and ExtTrainer each call it: the work is done once
     # ExtTrainingArguments did when built; stock TrainingArguments not
     write(args, prepare_sagemaker_arguments(args, rank_written(args)))
     prepare_sagemaker_environment()
-    import_deepspeed_quietly()
+    import_libraries_quietly()
     if cpu_ranks(args):
         share_cores_between_cpu_ranks()
     backend = backend_class(args)
@@ -44,7 +42,9 @@ def prepare_process(args) -> None:
         form_one_rank_group(args)
     if getattr(args, "global_batch", None) is None:  # stock TrainingArguments: the global batch as parsing settles it
         write(args, batch_fields(args, launched_world_size(), resumed_order_state(args)))
-    write(args, backend.arguments_for_training(args))  # stock TrainingArguments resolved as parsing would have
+    if getattr(args, "run_settings", None) is None:  # stock TrainingArguments: the backend settled as parsing settles it
+        write(args, settle(args, parsing=False))
+    write(args, backend.arguments_for_training(args))  # what transformers built before that, and what the process knows
     backend.prepare_process(args)
     bound_collective_waits(args)  # a peer's node lost: the collectives fail after --ddp_timeout, then a restart
     signal_when_the_agent_dies()  # a torchrun worker whose agent is killed checkpoints and stops with its group

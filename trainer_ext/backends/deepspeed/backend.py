@@ -17,6 +17,7 @@ from ...deepspeed_config import finish_deepspeed_config, resolve_deepspeed_confi
 from ...deepspeed_config.keys import HIDDEN_SIZE_AUTO, ZERO3_COST
 from ...integrations import internals
 from ..base import Backend, BackendFormula, ResolvedSettings
+from ..spec import settled_for
 from .leaves import check_granularity
 
 logger = logging.getLogger(__name__)
@@ -40,17 +41,17 @@ class DeepSpeedBackend(Backend):
     resumes_weights_only = False  # transformers resumes the engine from its own files only
 
     @classmethod
-    def prepare_arguments(cls, args) -> dict:
+    def settle(cls, args) -> tuple[dict, object]:
         """Phase 1 of the translation (with DeepSpeed's own check of the file), before transformers builds its own
-        DeepSpeed config from `args.deepspeed`."""
+        DeepSpeed config from `args.deepspeed`: the flags the file decided and the config, and the resolution."""
         from .cuda_arch import check_for_deepspeed
         from ...environment.launcher import cpu_ranks, resolve_world_size
 
         if not cpu_ranks(args):
             check_for_deepspeed()  # a TORCH_CUDA_ARCH_LIST its op builder cannot read: refused before any work
-        return resolution_fields(resolve_checked(args, args.deepspeed, this_machine=True, final=False,
-                                                 world_size=resolve_world_size(),
-                                                 cpu_ranks=cpu_ranks(args)))
+        resolution = resolve_checked(args, args.deepspeed, this_machine=True, final=False,
+                                     world_size=resolve_world_size(), cpu_ranks=cpu_ranks(args))
+        return resolution_fields(resolution), resolution
 
     @classmethod
     def arguments_ready(cls, args) -> dict:
@@ -59,18 +60,15 @@ class DeepSpeedBackend(Backend):
         works as on GPUs. Without a launcher there is no group, and nothing is formed here."""
         import torch.distributed
 
-        if zero_stage(args.deepspeed_resolution) == 3 and torch.distributed.is_initialized():
+        if zero_stage(settled_for(cls, args)) == 3 and torch.distributed.is_initialized():
             join_deepspeed_group()
         return {}
 
     @classmethod
     def arguments_for_training(cls, args) -> dict:
-        # Stock TrainingArguments, which parsing never resolved: the same resolution ExtTrainingArguments makes (one
-        # path), then what transformers built from the unresolved file at its own __post_init__, rebuilt from it.
-        if getattr(args, "deepspeed_resolution", None) is not None:
-            return {}
-        values = cls.prepare_arguments(args)
-        return {**values, **transformers_objects(args, values)}
+        # Stock TrainingArguments, settled only now: what transformers built from the unresolved file at its own
+        # __post_init__, rebuilt from the resolution.
+        return {} if args.run_settings.parsed else transformers_objects(args)
 
     @classmethod
     def prepare_process(cls, args) -> None:
@@ -93,7 +91,7 @@ class DeepSpeedBackend(Backend):
         clear_leftovers()
         if not cpu_ranks(args):
             prepare_for_deepspeed()
-        resolution = args.deepspeed_resolution  # prepare_process resolved stock TrainingArguments first
+        resolution = settled_for(cls, args)  # prepare_process settled stock TrainingArguments first
         announce_builds(resolution.config)  # DeepSpeed compiles in silence: minutes that look like a hang
         if zero_stage(resolution) == 3:
             args.device  # noqa: B018 (transformers' property sets up the process group)
@@ -105,7 +103,7 @@ class DeepSpeedBackend(Backend):
         """Under ZeRO-3 the model is built and loaded partitioned (DeepSpeed's zero.Init, as transformers does it), so
         no rank ever holds all of it; at any other stage nothing changes. prepare_process resolved stock
         TrainingArguments (their unresolved DeepSpeed file is what zero.Init would read) and joined the group."""
-        if zero_stage(getattr(args, "deepspeed_resolution", None)) == 3:
+        if zero_stage(settled_for(cls, args)) == 3:
             from transformers.integrations import is_deepspeed_zero3_enabled
 
             if not is_deepspeed_zero3_enabled():  # transformers follows the config the arguments hold, weakly
@@ -144,7 +142,7 @@ class DeepSpeedBackend(Backend):
 
     def __init__(self, args=None):
         super().__init__(args)
-        self.resolution = getattr(args, "deepspeed_resolution", None)  # phase 1 (prepare_process's on stock arguments)
+        self.resolution = self.settled  # phase 1 (prepare_process's on stock arguments)
         self.overflow_check = None  # how a ZeRO step detects a non-finite gradient, once the engine exists
         self._evaluation_engine = None  # ZeRO-3 before training: see evaluating
         self._load_universal = False  # resuming a checkpoint saved on another world size (see before_train)
@@ -473,19 +471,15 @@ def zero_stage(resolution) -> int:
     return int(config.get("zero_optimization", {}).get("stage", 0))
 
 
-def transformers_objects(args, values: dict) -> dict:
-    """For stock TrainingArguments resolved late (`values`: prepare_arguments' fields): transformers' DeepSpeed config
-    and accelerate's plugin rebuilt from the resolution exactly as transformers rebuilds them itself
-    (Trainer._hp_search_setup), from a copy of the arguments that holds the resolved flags."""
-    import copy
-
+def transformers_objects(args) -> dict:
+    """For stock TrainingArguments settled late (the resolved config and flags written on them): transformers' DeepSpeed
+    config and accelerate's plugin rebuilt from the resolution exactly as transformers rebuilds them itself
+    (Trainer._hp_search_setup)."""
     from accelerate.utils import DeepSpeedPlugin
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-    resolved = copy.copy(args)
-    resolved.__dict__.update(values)  # a copy: what transformers' config reads of the arguments, once resolved
-    hf_config = HfTrainerDeepSpeedConfig(values["deepspeed"])
-    hf_config.trainer_config_process(resolved)
+    hf_config = HfTrainerDeepSpeedConfig(args.deepspeed)
+    hf_config.trainer_config_process(args)
     return {"hf_deepspeed_config": hf_config, "deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=hf_config)}
 
 
@@ -603,15 +597,15 @@ def join_deepspeed_group() -> None:
 
 def resolution_fields(resolution) -> dict:
     """What the translation sets on the arguments (config.settings writes it): the flags the file decided (so the
-    sampler, the logs and transformers use the same batch and rates), the complete config as `deepspeed`, the
-    resolution for phase 2. A file that enables fp16 needs CUDA as --fp16 does."""
+    sampler, the logs and transformers use the same batch and rates) and the complete config as `deepspeed` (the
+    resolution, for phase 2, is RunSettings'). A file that enables fp16 needs CUDA as --fp16 does."""
     import torch
 
     from ...environment.launcher import check_fp16_device
 
     check_fp16_device(resolution.config.get("fp16", {}).get("enabled") is True, torch.cuda.is_available(),
                       "fp16" in resolution.effective_flags)
-    return {**resolution.effective_flags, "deepspeed": resolution.config, "deepspeed_resolution": resolution}
+    return {**resolution.effective_flags, "deepspeed": resolution.config}
 
 
 def check_overflow_by_norm(optimizer) -> str:

@@ -16,7 +16,8 @@ from ...config.values import option_words
 from ...errors import ArgumentsError, UserError
 from ...integrations import internals
 from ..base import Backend, ResolvedSettings
-from .settings import INSTALL, SHARDS, FSDPSettings, resolve_settings
+from ..spec import settled_for
+from .settings import SHARDS, FSDPSettings, resolve_settings
 
 logger = logging.getLogger(__name__)
 
@@ -32,41 +33,34 @@ class FSDPBackend(Backend):
     rank_written_state = "each rank's optimizer shard"
 
     @classmethod
-    def selected(cls, args) -> bool:
+    def given_as(cls, args) -> str | None:
+        # Also once the flag is hidden from transformers' check on one process (arguments_for_training). fully_shard is
+        # public from torch 2.6, setup.py's floor: no library to check.
         value = getattr(args, "fsdp", None)
-        return (bool(value) and value != "false") or getattr(args, "fsdp_settings", None) is not None
-
-    @classmethod
-    def missing_library(cls, args) -> str | None:
-        try:
-            from torch.distributed.fsdp import fully_shard  # noqa: F401 (public from torch 2.6)
-        except ImportError:
-            return (f"{cls.given_as(args)} needs torch's fully_shard (FSDP2, torch >= 2.6), which this torch lacks: "
-                    f"{INSTALL}")
-        return None
-
-    @classmethod
-    def given_as(cls, args) -> str:
-        return " ".join(["--fsdp", *option_words(args.fsdp)])
+        if value and value != "false":
+            return " ".join(["--fsdp", *option_words(value)])
+        return "--fsdp" if settled_for(cls, args) is not None else None
 
     @classmethod
     def owned_flag_problems(cls, args) -> list[str]:
         fsdp, fsdp_config = getattr(args, "fsdp", None), getattr(args, "fsdp_config", None)
-        if not cls.selected(args):
+        if cls.given_as(args) is None:
             return ["--fsdp_config is read only with --fsdp: add --fsdp full_shard, or drop --fsdp_config"] \
                 if fsdp_config else []
         return resolve_settings(fsdp, fsdp_config)[2]
 
     @classmethod
-    def prepare_arguments(cls, args) -> dict:
+    def settle(cls, args) -> tuple[dict, FSDPSettings]:
         from ...environment.launcher import cpu_ranks
 
-        settings, config, _ = resolve_settings(args.fsdp, args.fsdp_config)
+        settings, config, problems = resolve_settings(args.fsdp, args.fsdp_config)
+        if problems:  # stock TrainingArguments (ExtTrainingArguments said them before settling)
+            raise ArgumentsError("\n".join(problems))
         if settings.offload and cpu_ranks(args):
             raise ArgumentsError(f"{cls.given_as(args)}: offload moves the shards from the GPU to CPU memory, and on "
                                  "CPU ranks they are there already: drop offload (and cpu_offload/offload_params)")
         # fsdp_config read once (a file or inline JSON), as transformers then reads it
-        return {"fsdp_config": config, "fsdp_settings": settings}
+        return {"fsdp_config": config}, settings
 
     @classmethod
     def arguments_ready(cls, args) -> dict:
@@ -76,20 +70,16 @@ class FSDPBackend(Backend):
 
     @classmethod
     def arguments_for_training(cls, args) -> dict:
-        values = {}
-        if getattr(args, "fsdp_settings", None) is None:  # stock TrainingArguments: transformers normalised the flags
-            settings, _, problems = resolve_settings(args.fsdp, args.fsdp_config)
-            if problems:
-                raise ArgumentsError("\n".join(problems))
-            values = {"fsdp_settings": settings, **cls.arguments_ready(args)}
         from transformers.training_args import ParallelMode
 
+        values = {} if args.run_settings.parsed else cls.arguments_ready(args)
         if args.parallel_mode != ParallelMode.DISTRIBUTED and args.fsdp:
             # transformers refuses --fsdp on one process ("only works in distributed training"); fully_shard on a
             # mesh of one rank trains as one process and writes checkpoints any number of ranks resume. The flag is
-            # hidden from that check; the settings select this backend.
+            # hidden from that check; the settings (run_settings) select this backend.
             values["fsdp"] = False
         return values
+
 
     @classmethod
     def places_model_on_device(cls, args) -> bool | None:
@@ -136,7 +126,7 @@ class FSDPBackend(Backend):
 
     def __init__(self, args=None):
         super().__init__(args)  # the library (stock TrainingArguments did not ask)
-        self.resolved: FSDPSettings | None = getattr(args, "fsdp_settings", None)
+        self.resolved: FSDPSettings | None = self.settled
         self.model = None  # the model fully_shard was applied to (the root)
         self.optimizer = None  # the torch optimizer over its shards
         self.optimizer_file = None  # what transformers' optimizer file holds (OptimizerFile)
@@ -284,8 +274,8 @@ def reshard(model) -> None:
 
 def partitioned_loading(args) -> bool:
     """Whether rank 0 alone loads the model (cpu_ram_efficient_loading on more than one rank)."""
-    settings = getattr(args, "fsdp_settings", None)
-    if settings is None and FSDPBackend.selected(args):  # stock TrainingArguments
+    settings = settled_for(FSDPBackend, args)
+    if settings is None and FSDPBackend.given_as(args) is not None:  # stock TrainingArguments not prepared yet
         settings = resolve_settings(args.fsdp, args.fsdp_config)[0]
     return settings is not None and settings.cpu_ram_efficient_loading and args.world_size > 1
 

@@ -22,7 +22,6 @@ FSDP1_KEYS = ("sharding_strategy", "backward_prefetch", "forward_prefetch", "use
               "limit_all_gathers")
 XLA_KEYS = ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings")  # transformers adds the first three, off
 SHARDS = "optimizer_shards"  # the checkpoint's folder of optimizer shards (torch.distributed.checkpoint)
-INSTALL = "pip install 'torch>=2.6'"
 
 
 
