@@ -77,6 +77,8 @@ def test_six_trial_search_prunes_keeps_the_best_and_never_runs_a_trial_twice(tmp
         if trial.params["max_steps"] == 6:
             assert trial.state == states.PRUNED and sorted(trial.intermediate_values) == [8, 16], log[-2000:]
             assert f"search trial {trial.number} pruned at step 4" in log and "'epoch': '0.75'" not in log
+            # it ends with its training: no final model saved, no evaluation after it
+            assert not (folder / f"trial-{trial.number}" / "eval_results.json").exists(), log[-2000:]
         else:
             assert trial.state == states.COMPLETE, log[-2000:]
             results = json.loads((folder / f"trial-{trial.number}" / "eval_results.json").read_text())
