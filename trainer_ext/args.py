@@ -193,8 +193,10 @@ class ExtTrainingArguments(*flag_classes(), TrainingArguments):
 
     @property
     def place_model_on_device(self):
-        # transformers' hook for integrations: the backend may need the model where it was built (offload).
-        decided = backend_class(self).places_model_on_device(self)
+        # transformers' hook for integrations: the backend may need the model where it was built (offload), as it
+        # settled (RunSettings).
+        run = getattr(self, "run_settings", None)  # None: while transformers' own __post_init__ runs
+        decided = run.place_model_on_device if run is not None else None
         return decided if decided is not None else super().place_model_on_device
 
     def check_output_dir(self) -> None:

@@ -212,7 +212,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         if not getattr(self.args, "chunked_loss", True) or self.loss_fn is not None or self.class_weights is not None:
             return False
         if self._parent_computes_loss() or (not model.training and self._logits_wanted) \
-                or self.args.torch_compile or getattr(self.args, "use_liger_kernel", False):
+                or self.args.torch_compile or self.args.use_liger_kernel:
             return False
         module = self.backend.unwrap(self.accelerator.unwrap_model(model))
         return (token_labels(inputs) is not None and shifts_labels(module) and output_head(module) is not None

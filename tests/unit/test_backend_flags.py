@@ -44,3 +44,14 @@ def test_what_parsing_settled_selects_the_backend_and_reaches_its_constructor(tm
     assert loaded.run_settings == run and backend_class(loaded) is type(backend)
     plain = ExtTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     assert plain.run_settings == RunSettings("ddp", None, True) and select_backend(plain).settled is None
+
+
+def test_arguments_settled_for_a_backend_this_process_lacks_say_so(tmp_path):
+    """training_args.bin of a run whose backend was registered from outside the package (as the toy one is), loaded
+    where it is not: one line naming it, not a bare StopIteration from the registry."""
+    from trainer_ext.errors import ArgumentsError
+
+    args = ExtTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    args.run_settings = dataclasses.replace(args.run_settings, backend="toy-ddp")
+    with pytest.raises(ArgumentsError, match="settled for the backend 'toy-ddp', which is not registered"):
+        select_backend(pickle.loads(pickle.dumps(args)))

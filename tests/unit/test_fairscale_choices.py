@@ -2,6 +2,7 @@
 the optimizer it steps under fp16, the gradient dtypes that optimizer sees, and where the Trainer leaves the model.
 Each choice fixes a failure measured on an H100; tests/integration/test_cuda.py runs them for real where a GPU is present."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -9,9 +10,8 @@ import torch
 from transformers import TrainingArguments
 
 from trainer_ext import ExtTrainingArguments
-from trainer_ext.backends import RunSettings
-from trainer_ext.backends.fairscale import (check_machine, fsdp_settings, grads_in_parameter_dtype,
-                                           optimizer_kwargs_for_scaler)
+from trainer_ext.backends.fairscale import (FairScaleBackend, check_machine, fsdp_settings,
+                                           grads_in_parameter_dtype, optimizer_kwargs_for_scaler)
 from trainer_ext.errors import ArgumentsError
 
 
@@ -89,14 +89,16 @@ def test_bf16_gradients_of_fp32_parameters_are_cast_before_the_step(implementati
     assert torch.equal(weights, reference)
 
 
-def test_offload_keeps_the_model_where_fsdp_wants_it():
+def test_offload_keeps_the_model_where_fsdp_wants_it(monkeypatch):
     """FSDP with move_params_to_cpu asserts the fp32 shards are on the CPU: the Trainer must not move the model to the
     GPU first (transformers' place_model_on_device hook, which a rename in transformers would silently bypass)."""
     assert isinstance(TrainingArguments.__dict__["place_model_on_device"], property)
     args = ExtTrainingArguments(output_dir="unused", use_cpu=True, report_to="none")
     assert args.place_model_on_device is None  # transformers decides, as before
-    # only CUDA machines accept it at parse time, which settles it so
-    args.sharded_ddp, args.run_settings = ["zero_dp_2", "offload"], RunSettings("fairscale")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # only CUDA machines accept it, settling it so
+    fields, run = FairScaleBackend.settle(SimpleNamespace(sharded_ddp="zero_dp_2 offload", fp16=True, bf16=False))
+    assert fields == {"sharded_ddp": ["zero_dp_2", "offload"]} and run.place_model_on_device is False
+    args.sharded_ddp, args.run_settings = fields["sharded_ddp"], replace(run, backend="fairscale")
     assert args.place_model_on_device is False
 
 

@@ -131,7 +131,8 @@ def test_sharded_loading_builds_the_model_empty_on_ranks_after_the_first(tmp_pat
         with sharded_loading(args):
             model = AutoModelForMaskedLM.from_pretrained(tmp_path)
         assert {p.device.type for p in model.parameters()} == {"cpu"}
-    assert FSDPBackend.places_model_on_device(loading_args(rank=1)) is False  # an empty model cannot be moved
+    fields, run = FSDPBackend.settle(SimpleNamespace(fsdp="full_shard", fsdp_config=None, use_cpu=True))
+    assert run.place_model_on_device is False  # an empty model cannot be moved
 
 
 def test_partitioned_loading_with_stock_arguments_is_one_line(tmp_path, as_launched_rank):

@@ -1,6 +1,7 @@
 """The process's environment variables change in one module, environment/variables.py: what trainer_ext does to the
 user's process (a 1-rank group's rank variables, each CPU rank's threads, DeepSpeed's accelerator and op folder, a
-SageMaker job's TensorBoard folder) is read there, and a variable the user set is kept where the door says so."""
+SageMaker job's TensorBoard folder) is read there, and a variable the user set is kept where the door says so. The
+process group is formed in one place too (environment/launcher.py)."""
 
 import ast
 import os
@@ -78,3 +79,26 @@ def test_set_keeps_what_the_user_set_where_asked_and_restored_takes_back_a_block
     assert dict(os.environ) == before and added == {"TRAINER_EXT_T_ADDED": "a"}
     unset_variable("TRAINER_EXT_T_NEW")
     assert "TRAINER_EXT_T_NEW" not in os.environ
+
+
+def group_formations(tree: ast.AST) -> list[int]:
+    """Lines that have a process group formed: a bare `<arguments>.device` statement (transformers' device set-up,
+    which forms it under a launcher) or torch's init_process_group."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Attribute) and node.value.attr == "device":
+            found.append(node.lineno)
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == \
+                "init_process_group":
+            found.append(node.lineno)
+    return found
+
+
+def test_the_process_group_is_formed_in_one_place():
+    """environment/launcher.py's form_process_group alone has the group formed (DeepSpeed's prepare_process touched
+    args.device for it too); a backend library joining the formed group (deepspeed.init_distributed) is not forming
+    one."""
+    found = {path.relative_to(REPO).as_posix(): lines for path in sorted((REPO / "trainer_ext").rglob("*.py"))
+             if (lines := group_formations(ast.parse(path.read_text())))}
+    assert list(found) == ["trainer_ext/environment/launcher.py"] and len(found[list(found)[0]]) == 1
+    assert group_formations(ast.parse("args.device\nx = args.device\ndist.init_process_group('gloo')\n")) == [1, 3]

@@ -3,10 +3,12 @@ checkpoint code and ExtTrainer all loop over it; importing it imports no torch."
 
 from __future__ import annotations
 
+from dataclasses import replace
 from importlib import import_module
 
+from ..errors import ArgumentsError
 from .base import Backend
-from .spec import RunSettings, missing_library
+from .spec import RunSettings, given_as, missing_library
 
 # In order of precedence when choosing; the last one (no flag) is the default.
 BACKENDS = {
@@ -49,25 +51,30 @@ def backend_class(args) -> type[Backend]:
     classes = backend_classes()
     run = getattr(args, "run_settings", None)
     if run is not None:
-        return next(cls for cls in classes if cls.name == run.backend)
-    return next((cls for cls in classes if cls.given_as(args) is not None),
-                next(cls for cls in classes if cls.flag is None))
+        settled = next((cls for cls in classes if cls.name == run.backend), None)
+        if settled is None:  # e.g. training_args.bin of a backend registered from outside, loaded without it
+            raise ArgumentsError(f"these arguments were settled for the backend {run.backend!r}, which is not "
+                                 f"registered in this process (registered: {', '.join(cls.name for cls in classes)}): "
+                                 "register it in trainer_ext.backends.BACKENDS first, or build the arguments again")
+        return settled
+    return next((cls for cls in classes if given_as(cls, args) is not None),
+                [cls for cls in classes if cls.flag is None][-1])
 
 
 def rank_written(args) -> tuple[str, str] | None:
     """The selected backend's flag as given and what its ranks each write into a checkpoint (for SageMaker's refusal
     on several hosts: ("--deepspeed", "each rank's optimizer partition")); None when rank 0 writes all of it."""
     cls = backend_class(args)
-    return (cls.given_as(args), cls.rank_written_state) if cls.rank_written_state else None
+    return (given_as(cls, args), cls.rank_written_state) if cls.rank_written_state else None
 
 
 def selection_problems(args) -> list[str]:
     """Every backend's own flag problems, and more than one backend chosen."""
     classes = backend_classes()
     problems = [problem for cls in classes for problem in cls.owned_flag_problems(args)]
-    chosen = [cls for cls in classes if cls.given_as(args) is not None]
+    chosen = [cls for cls in classes if given_as(cls, args) is not None]
     if len(chosen) > 1:
-        problems.append(f"{' and '.join(cls.given_as(args) for cls in chosen)} both choose a backend: give only one "
+        problems.append(f"{' and '.join(given_as(cls, args) for cls in chosen)} both choose a backend: give only one "
                         "of them")
     return problems
 
@@ -75,11 +82,11 @@ def selection_problems(args) -> list[str]:
 def settle(args, parsing: bool) -> dict:
     """The fields the selected backend settles from its flags and `run_settings`, which hands what it settled to its
     constructor: for config.settings to write, once. `parsing`: ExtTrainingArguments, before transformers reads them;
-    else stock TrainingArguments, which transformers set up already (the backend's `arguments_for_training` then
+    else stock TrainingArguments, which transformers set up already (the backend's `prepare_process` then
     rebuilds what it built)."""
     cls = backend_class(args)
-    fields, settled = cls.settle(args)
-    return {**fields, "run_settings": RunSettings(cls.name, settled, parsing)}
+    fields, run = cls.settle(args)
+    return {**fields, "run_settings": replace(run, backend=cls.name, parsed=parsing)}
 
 
 def import_libraries_quietly() -> None:
@@ -95,5 +102,5 @@ def select_backend(args) -> Backend:
 
 
 __all__ = ["BACKENDS", "Backend", "backend_class", "backend_classes", "backend_flags", "checkpoint_state_patterns",
-           "flag_classes", "import_libraries_quietly", "missing_library", "owned_flags", "rank_written", "RunSettings", "select_backend", "selection_problems",
-           "settle"]
+           "flag_classes", "given_as", "import_libraries_quietly", "missing_library", "owned_flags", "rank_written",
+           "RunSettings", "select_backend", "selection_problems", "settle"]

@@ -53,10 +53,13 @@ class Backend(BackendSpec):
 
     # -- moment 2, prepare the process and the model's context (before a trainer exists) ------------------------------
     @classmethod
-    def prepare_process(cls, args) -> None:
-        """trainer_ext.prepare_process's part for this backend, once the arguments exist and before a model is built
-        or trained: what its engine needs of the process (the 1-rank group is formed already where
-        needs_process_group says so)."""
+    def prepare_process(cls, args) -> dict:
+        """trainer_ext.prepare_process's part for this backend, once the arguments are settled and before a model is
+        built or trained: what its engine needs of the process (the 1-rank group is formed already where
+        needs_process_group says so). Returns the fields transformers must see for training (config.settings writes
+        them): what transformers built before stock TrainingArguments were settled (RunSettings.parsed False),
+        rebuilt, and what only the process knows."""
+        return {}
 
     @classmethod
     def model_sharded_context(cls, args):

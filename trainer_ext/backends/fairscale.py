@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from ..config.values import option_words
 from ..errors import ArgumentsError, closest
 from ..integrations import internals
-from .base import Backend, BackendFormula, ResolvedSettings
+from .base import Backend, BackendFormula, ResolvedSettings, RunSettings
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +38,7 @@ class FairScaleBackend(Backend):
     library = "fairscale"
     install = INSTALL
     needs_process_group = True  # `python script.py --sharded_ddp simple`: OSS on one rank, as --deepspeed does
-
-    @classmethod
-    def given_as(cls, args) -> str | None:
-        return f"--sharded_ddp {' '.join(option_words(args.sharded_ddp))}" if getattr(args, "sharded_ddp", None) \
-            else None
+    flag_takes_options = True
 
     @classmethod
     def owned_flag_problems(cls, args) -> list[str]:
@@ -53,17 +49,14 @@ class FairScaleBackend(Backend):
         return []
 
     @classmethod
-    def settle(cls, args) -> tuple[dict, None]:
+    def settle(cls, args) -> tuple[dict, RunSettings]:
         import torch
 
         options = parse_options(args.sharded_ddp)  # the option list the backend reads
         check_machine(options, torch.cuda.is_available(), bool(args.fp16 or args.bf16))
-        return {"sharded_ddp": options}, None  # the flag's own field holds what it settled
-
-    @classmethod
-    def places_model_on_device(cls, args) -> bool | None:
-        # FSDP with offload keeps the fp32 shards where it finds the model and asserts they are on the CPU.
-        return False if "offload" in args.sharded_ddp else None
+        # The flag's own field holds what it settled. FSDP with offload keeps the fp32 shards where it finds the
+        # model and asserts they are on the CPU: the Trainer must not move it.
+        return {"sharded_ddp": options}, RunSettings(place_model_on_device=False if "offload" in options else None)
 
     @classmethod
     def memory_formulas(cls, mixed: bool) -> list:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..config.values import option_words
+
 
 class BackendSpec:
     """What is known of a backend before anything runs: its flags and their problems, the values it settles from
@@ -24,7 +26,8 @@ class BackendSpec:
     install = ""
     # Parameter sharding: the model is wrapped before the optimizer, which is built on the shards.
     wraps_before_optimizer = False
-    # Its engine needs a process group even on one process (prepare_process forms a 1-rank one without a launcher).
+    # Its engine needs the process group before a model is built, even on one process (prepare_process forms it: a
+    # 1-rank one without a launcher).
     needs_process_group = False
     # Glob patterns of the files or folders holding this backend's own training state in a checkpoint folder (what a
     # checkpoint without Hugging Face weight files must have to be resumable).
@@ -38,13 +41,10 @@ class BackendSpec:
     # share holds together: SageMaker's per-host checkpoint folder refuses such a backend on several hosts.
     rank_written_state: str | None = None
 
-    # -- moment 1, settle: the arguments (before any trainer exists) --------------------------------------------------
-    @classmethod
-    def given_as(cls, args) -> str | None:
-        """The selecting flag as the user typed it (for messages), or None when these arguments do not select this
-        backend."""
-        return f"--{cls.flag}" if cls.flag and getattr(args, cls.flag, None) else None
+    # The selecting flag is a list of option words (`--sharded_ddp "zero_dp_2 offload"`), shown with it in messages.
+    flag_takes_options = False
 
+    # -- moment 1, settle: the arguments (before any trainer exists) --------------------------------------------------
     @classmethod
     def owned_flag_problems(cls, args) -> list[str]:
         """Problems with the flags this backend owns that no machine could fix, one line each; reads `args` only.
@@ -52,31 +52,19 @@ class BackendSpec:
         return []
 
     @classmethod
-    def settle(cls, args) -> tuple[dict, Any]:
+    def settle(cls, args) -> tuple[dict, RunSettings]:
         """Once the flags are valid and this backend is selected, before transformers sets up the device: checks
         that depend on this machine, then what the backend settles from its flags: (the fields transformers reads, as
-        they are to be set; what the backend itself settled, handed to its constructor in RunSettings). Values only:
-        no variable, file or process group (that is prepare_process)."""
-        return {}, None
+        they are to be set; RunSettings with what the backend itself settled, handed to its constructor, and where
+        the model must stay; the registry fills in its name and the moment). Values only: no variable, file or
+        process group (that is prepare_process)."""
+        return {}, RunSettings()
 
     @classmethod
     def arguments_ready(cls, args) -> dict:
         """The last step of ExtTrainingArguments, once transformers set the arguments up: the fields transformers must
         not act on; DeepSpeed under ZeRO-3 also joins a group transformers formed, as on GPUs."""
         return {}
-
-    @classmethod
-    def arguments_for_training(cls, args) -> dict:
-        """When a process is prepared for training, once the arguments are settled (stock TrainingArguments only now,
-        RunSettings.parsed False): what transformers built from the fields before they were settled, rebuilt, and
-        what only the process knows."""
-        return {}
-
-    @classmethod
-    def places_model_on_device(cls, args) -> bool | None:
-        """transformers' `place_model_on_device` hook: False when the backend must receive the model where it was
-        built; None lets transformers decide."""
-        return None
 
     # -- facts read without a run: the planner's, the checkpoint's ----------------------------------------------------
     @classmethod
@@ -100,12 +88,15 @@ class BackendSpec:
 class RunSettings:
     """What the arguments settled once for the backend they select (ExtTrainingArguments when parsed, stock
     TrainingArguments when a process is prepared): the backend's name and what it settled from its flags (DeepSpeed:
-    the translated config's resolution; FSDP2: its FSDPSettings; None: nothing of its own), and whether that was at
-    parsing (False: stock TrainingArguments, which transformers set up before anything settled them). The backend's
-    constructor receives it; the registry chooses the backend by it once it is there."""
-    backend: str
+    the translated config's resolution; FSDP2: its FSDPSettings; None: nothing of its own), whether that was at
+    parsing (False: stock TrainingArguments, which transformers set up before anything settled them), and the
+    answer to transformers' `place_model_on_device` hook (False: the backend receives the model where it was built;
+    None: transformers decides). The backend's constructor receives it; the registry chooses the backend by it once it
+    is there."""
+    backend: str = ""
     settled: Any = None
     parsed: bool = True
+    place_model_on_device: bool | None = None
 
 
 def settled_for(backend: type[BackendSpec], args) -> Any:
@@ -115,13 +106,24 @@ def settled_for(backend: type[BackendSpec], args) -> Any:
     return run.settled if run is not None and run.backend == backend.name else None
 
 
+def given_as(backend: type[BackendSpec], args) -> str | None:
+    """The backend's selecting flag as the user typed it (for messages: with its option words where it takes them),
+    or None when these arguments do not select it. Also once the flag is hidden from transformers (FSDP's on one
+    process, at prepare_process): the arguments settled for it then."""
+    value = getattr(args, backend.flag, None) if backend.flag else None
+    if value and value != "false":
+        return " ".join([f"--{backend.flag}", *(option_words(value) if backend.flag_takes_options else ())])
+    run = getattr(args, "run_settings", None)
+    return f"--{backend.flag}" if backend.flag and run is not None and run.backend == backend.name else None
+
+
 def missing_library(backend: type[BackendSpec], args) -> str | None:
     """One line when the backend's library (its `library`) is not installed, before transformers or accelerate import
     it."""
     import importlib.util
 
     if backend.library and importlib.util.find_spec(backend.library) is None:
-        return f"{backend.given_as(args) or backend.name} needs {backend.library}, which is not installed: " \
+        return f"{given_as(backend, args) or backend.name} needs {backend.library}, which is not installed: " \
                f"{backend.install}"
     return None
 

@@ -257,7 +257,7 @@ def checkpoint_bytes(model, args) -> tuple[int, int]:
     weights = sum(size(p) for p in (trainable if hasattr(model, "peft_config") else parameters))
     optim = str(getattr(args.optim, "value", args.optim))
     moments = "adam" in optim and not any(bits in optim for bits in ("8bit", "4bit"))
-    optimizer = 0 if getattr(args, "save_only_model", False) or not moments else 8 * sum(
+    optimizer = 0 if args.save_only_model or not moments else 8 * sum(
         int(getattr(p, "ds_numel", p.numel())) for p in trainable)
     return weights, optimizer
 

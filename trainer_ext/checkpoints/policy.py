@@ -19,7 +19,7 @@ from .format import (AUTO, DATA_STATE, FRESH, LOSS_STATE, MARKER, NEWEST, Checkp
                          read_loss_sum, relaid_weights, resume_request, rotate, staging_dir, valid_checkpoints)
 from .restarts import saved_for
 from .origin import data_origin, model_origin, other_data, other_model, read_origin
-from ..backends import backend_classes
+from ..backends import backend_classes, given_as
 from ..integrations import internals
 from ..environment.sagemaker import checkpoints_to_keep
 
@@ -156,13 +156,13 @@ class RunCheckpoints(TrainerCallback):
                     f"--resume_weights_only: {checkpoint} {holds}, and {described} resumes only from its own "
                     f"checkpoints: start a new run from its weights (--model_name_or_path {checkpoint} in the "
                     "examples, from_pretrained in a script), or resume it without "
-                    f"{backend.given_as(self.args)}")
+                    f"{given_as(backend, self.args)}")
             if self.trainer.is_world_process_zero():
                 logger.warning("--resume_weights_only: %s %s; its weights and step %d continue, the optimizer state "
                                "starts anew", checkpoint, holds, step)
             return True
         if other:
-            how = (f"resume it without {backend.given_as(self.args)} (plain DDP wrote it), " if writer.flag is None
+            how = (f"resume it without {given_as(backend, self.args)} (plain DDP wrote it), " if writer.flag is None
                    else f"resume it with --{writer.flag}, as it was written, ")
         raise CheckpointError(
             f"{checkpoint} {holds}: {how if other else ''}pass "

@@ -32,7 +32,7 @@ def checkpoint_to_resume(args) -> Path | None:
     """The checkpoint a start with these arguments resumes, as train() picks it without a remote copy (its
     --resume_from_checkpoint, else the newest complete one in the checkpoint folder unless --fresh_start); None for a
     fresh start."""
-    requested = getattr(args, "resume_from_checkpoint", None)
+    requested = args.resume_from_checkpoint
     kind = resume_request(requested)
     if kind == FRESH or (kind == AUTO and getattr(args, "fresh_start", False)):
         return None

@@ -209,7 +209,7 @@ def report_to_names(value) -> list[str]:
 def report_to_problems(args) -> list[str]:
     """Names transformers does not report to (it fails only when the trainer is built, after the data and model
     loaded), and "all" or "none" beside other names (transformers reads them as integrations there)."""
-    value = getattr(args, "report_to", None)
+    value = args.report_to
     names = report_to_names(value)
     shown = ",".join(names)
     problems = []
@@ -229,7 +229,7 @@ def package_problems(args) -> list[str]:
     transformers would fail only once the data and model are loaded (or the first trainer is built). A check of this
     machine: training runs it, `trainer-ext ds-config` does not."""
     needed = []
-    if getattr(args, "use_liger_kernel", False):
+    if args.use_liger_kernel:
         needed.append(("--use_liger_kernel", "true", LIGER_KERNEL))
     optim = getattr(args.optim, "value", args.optim)
     if optim in OPTIM_PACKAGES:
@@ -244,7 +244,7 @@ def hub_problems(args) -> list[str]:
     """--push_to_hub where the Hub is switched off (HF_HUB_OFFLINE): transformers' Trainer creates the repository when
     it is built, after data and model are loaded, and failed with huggingface_hub's OfflineModeIsEnabled traceback. A
     check of this machine, as package_problems."""
-    if not getattr(args, "push_to_hub", False):
+    if not args.push_to_hub:
         return []
     from huggingface_hub import is_offline_mode
 
@@ -274,7 +274,7 @@ def flag_problems(args, backend_problems) -> list[str]:
     if args.fp16 and args.bf16:  # transformers refuses it too, but only after our checks, one problem per run
         problems.append("--fp16 and --bf16 both set the precision: give only one (--bf16 on CPUs and on Ampere or "
                         "newer GPUs, --fp16 on older GPUs)")
-    if getattr(args, "use_cpu", False) and args.fp16:  # whatever this machine has: a preview says it too
+    if args.use_cpu and args.fp16:  # whatever this machine has: a preview says it too
         problems.append("--fp16 with --use_cpu: fp16 needs a CUDA device and --use_cpu trains on the CPU; use --bf16 "
                         "(or fp32) on CPU, or drop --use_cpu")
     given = getattr(args, "flags_given", None) or ()

@@ -1,12 +1,13 @@
 """The settings builder's door: the one place trainer_ext writes onto a TrainingArguments object. Everything else
-computes values and hands them here, at two moments: when ExtTrainingArguments is parsed (trainer_ext/args.py: the text
-flags read, a SageMaker job's folders, CPU ranks' device flags, what the selected backend settles (backends.settle)
-and, once transformers has set the arguments up, its `arguments_ready`), and when a process is prepared for training
-(training/prepare.py: the same for stock TrainingArguments, which parsed nothing; nothing for arguments already
-settled). What is written is either a field transformers itself reads (the resolved DeepSpeed config as `deepspeed`,
-the batch and rate flags a DeepSpeed file decided, `fsdp_config`, `use_cpu`, `output_dir`, ...), or two of ours: the
-global batch and `run_settings` (backends.RunSettings: which backend, and what it settled, handed to its constructor).
-Building ExtTrainer on arguments already settled writes nothing (tests/integration/test_settings_once.py)."""
+computes values and hands them here, at two moments: when ExtTrainingArguments is parsed (trainer_ext/args.py: the
+text flags read, a SageMaker job's folders, CPU ranks' device flags, what the selected backend settles
+(backends.settle) and, once transformers has set the arguments up, its `arguments_ready`), and when a process is
+prepared for training (training/prepare.py: the same for stock TrainingArguments, which parsed nothing, and what the
+backend's `prepare_process` returns). What is written is either a field transformers itself reads (the resolved
+DeepSpeed config as `deepspeed`, the batch and rate flags a DeepSpeed file decided, `fsdp_config`, `use_cpu`,
+`output_dir`, ...), or two of ours: the global batch and `run_settings` (backends.RunSettings: which backend, what it
+settled, handed to its constructor, and where the model stays). Building ExtTrainer on arguments already settled
+writes nothing (tests/integration/test_settings_once.py)."""
 
 from __future__ import annotations
 

@@ -282,7 +282,7 @@ def modules_to_save(model_args: ModelArguments, skeleton) -> list[str] | None:
 def evaluates(data_args, training_args) -> bool:
     """Whether the command evaluates (before, during or after training)."""
     return bool(training_args.do_eval or getattr(data_args, "evaluate_before_training", False)
-                or str(getattr(training_args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"))
+                or str(training_args.eval_strategy) not in ("no", "IntervalStrategy.NO"))
 
 
 def check_model_flags(model_path: str, model_args: ModelArguments, training_args, evaluating: bool) -> None:

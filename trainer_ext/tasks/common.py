@@ -280,7 +280,7 @@ def check_best_metric(training_args, metrics: tuple[str, ...]) -> None:
     after training time was spent)."""
     from ..errors import closest
 
-    name = getattr(training_args, "metric_for_best_model", None)
+    name = training_args.metric_for_best_model
     if not name:
         return
     bare = name.removeprefix("eval_")
@@ -326,7 +326,7 @@ def needed_splits(data_args, training_args) -> dict[str, str | None]:
     return {"train": "--do_train" if training_args.do_train else None,
             "validation": "--do_eval" if training_args.do_eval else
             "--evaluate_before_training" if data_args.evaluate_before_training else None,
-            "test": "--do_predict" if getattr(training_args, "do_predict", False) else None}
+            "test": "--do_predict" if training_args.do_predict else None}
 
 
 def check_needed_splits(needed: dict, files: dict[str, str]) -> None:

@@ -77,7 +77,7 @@ def run_task(task: str, model_args, data_args, training_args, callbacks: Sequenc
         results.update(train_and_save(trainer, training_args, prepared.train_samples))
     if training_args.do_eval:
         results.update(evaluate("eval"))
-    if getattr(training_args, "do_predict", False) and prepared.predict is not None:
+    if training_args.do_predict and prepared.predict is not None:
         results.update(prepared.predict())
     return results
 

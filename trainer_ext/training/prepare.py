@@ -11,7 +11,7 @@ from ..backends import Backend, backend_class, import_libraries_quietly, rank_wr
 from ..checkpoints.restarts import resumed_order_state
 from ..config.batch import batch_fields
 from ..config.settings import write
-from ..environment.launcher import (bound_collective_waits, cpu_ranks, form_one_rank_group, launched_world_size,
+from ..environment.launcher import (bound_collective_waits, cpu_ranks, form_process_group, launched_world_size,
                                     rendezvous_store_problem, share_cores_between_cpu_ranks, signal_when_the_agent_dies)
 from ..environment.sagemaker import prepare_arguments as prepare_sagemaker_arguments
 from ..environment.sagemaker import prepare_environment as prepare_sagemaker_environment
@@ -23,12 +23,13 @@ _PREPARED: list[weakref.ref] = []  # the arguments this process is set up for (d
 
 def prepare_process(args) -> None:
     """What training with `args` needs of this process, in one place: a SageMaker job's TensorBoard folder (and its
-    model and checkpoint folders on stock TrainingArguments), each CPU rank's share of the cores, a 1-rank process
-    group when no launcher started a backend that needs one, the backends' libraries imported where installed (as
-    accelerate would, without what their import says or sets), stock TrainingArguments settled as parsing settles
-    ExtTrainingArguments (the global batch over this start's ranks first), the selected backend's own set-up (its
-    prepare_process), --ddp_timeout bounding the group's collectives on CPU ranks too, a torchrun worker stopping with its agent, and
-    --checkpoint_uri taking a write (main process: one probe object, then deleted) before any model is loaded."""
+    model and checkpoint folders on stock TrainingArguments), each CPU rank's share of the cores, the process group
+    formed for a backend that needs one before a model is built (a 1-rank one when no launcher started it), the
+    backends' libraries imported where installed (as accelerate would, without what their import says or sets),
+    stock TrainingArguments settled as parsing settles ExtTrainingArguments (the global batch over this start's
+    ranks first), the selected backend's own set-up (its prepare_process), --ddp_timeout bounding the group's
+    collectives on CPU ranks too, a torchrun worker stopping with its agent, and --checkpoint_uri taking a write
+    (main process: one probe object, then deleted) before any model is loaded."""
     if args is None or any(ref() is args for ref in _PREPARED):
         return  # the recipes, sharded_loading and ExtTrainer each call it: the work is done once
     # ExtTrainingArguments did when built; stock TrainingArguments not
@@ -39,13 +40,12 @@ def prepare_process(args) -> None:
         share_cores_between_cpu_ranks()
     backend = backend_class(args)
     if backend.needs_process_group:
-        form_one_rank_group(args)
+        form_process_group(args)
     if getattr(args, "global_batch", None) is None:  # stock TrainingArguments: the global batch as parsing settles it
         write(args, batch_fields(args, launched_world_size(), resumed_order_state(args)))
     if getattr(args, "run_settings", None) is None:  # stock TrainingArguments: the backend settled as parsing settles it
         write(args, settle(args, parsing=False))
-    write(args, backend.arguments_for_training(args))  # what transformers built before that, and what the process knows
-    backend.prepare_process(args)
+    write(args, backend.prepare_process(args))  # also what transformers built before that, and what the process knows
     bound_collective_waits(args)  # a peer's node lost: the collectives fail after --ddp_timeout, then a restart
     signal_when_the_agent_dies()  # a torchrun worker whose agent is killed checkpoints and stops with its group
     if (problem := rendezvous_store_problem()) and args.process_index == 0:

@@ -2,7 +2,8 @@
 (sitecustomize.py adds it). DDP whose gradients are all-reduced only at the optimizer step: under gradient
 accumulation every other micro-batch runs under `no_sync`. It wraps the model in torch's DistributedDataParallel
 itself, with a communication hook that counts the all-reduces, and says the count in its settings and in
-`allreduces-rank<R>.json` when training ends. Selected whenever it is registered (a toy has no flag of its own)."""
+`allreduces-rank<R>.json` when training ends. Selected whenever it is registered: without a flag of its own, the
+last one registered is the default."""
 
 import json
 import os
@@ -15,10 +16,6 @@ from trainer_ext.backends.base import Backend, ResolvedSettings
 
 class NoSyncEveryOtherStep(Backend):
     name = "toy-ddp"
-
-    @classmethod
-    def given_as(cls, args) -> str:
-        return "the toy backend"
 
     def __init__(self, args=None):
         super().__init__(args)

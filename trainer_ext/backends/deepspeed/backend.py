@@ -17,7 +17,7 @@ from ...deepspeed_config import finish_deepspeed_config, resolve_deepspeed_confi
 from ...deepspeed_config.keys import HIDDEN_SIZE_AUTO, ZERO3_COST
 from ...integrations import internals
 from ..base import Backend, BackendFormula, ResolvedSettings
-from ..spec import settled_for
+from ..spec import RunSettings, settled_for
 from .leaves import check_granularity
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class DeepSpeedBackend(Backend):
     resumes_weights_only = False  # transformers resumes the engine from its own files only
 
     @classmethod
-    def settle(cls, args) -> tuple[dict, object]:
+    def settle(cls, args) -> tuple[dict, RunSettings]:
         """Phase 1 of the translation (with DeepSpeed's own check of the file), before transformers builds its own
         DeepSpeed config from `args.deepspeed`: the flags the file decided and the config, and the resolution."""
         from .cuda_arch import check_for_deepspeed
@@ -51,7 +51,7 @@ class DeepSpeedBackend(Backend):
             check_for_deepspeed()  # a TORCH_CUDA_ARCH_LIST its op builder cannot read: refused before any work
         resolution = resolve_checked(args, args.deepspeed, this_machine=True, final=False,
                                      world_size=resolve_world_size(), cpu_ranks=cpu_ranks(args))
-        return resolution_fields(resolution), resolution
+        return resolution_fields(resolution), RunSettings(settled=resolution)
 
     @classmethod
     def arguments_ready(cls, args) -> dict:
@@ -65,18 +65,15 @@ class DeepSpeedBackend(Backend):
         return {}
 
     @classmethod
-    def arguments_for_training(cls, args) -> dict:
-        # Stock TrainingArguments, settled only now: what transformers built from the unresolved file at its own
-        # __post_init__, rebuilt from the resolution.
-        return {} if args.run_settings.parsed else transformers_objects(args)
-
-    @classmethod
-    def prepare_process(cls, args) -> None:
+    def prepare_process(cls, args) -> dict:
         """Before DeepSpeed loads an op: no stale build locks or shared-memory buffers of killed jobs, a
         TORCH_CUDA_ARCH_LIST its op builder can read, the ops it will build said, and under ZeRO-3 DeepSpeed in the
         process group. On a machine without a GPU, DS_ACCELERATOR=cpu: DeepSpeed's own override for the choice it would
         make anyway, without its "unable to detect" warning; TORCH_EXTENSIONS_DIR this environment's own folder for the
-        ops, unless set; and what DeepSpeed's import set, where a config check imported it first and took it back."""
+        ops, unless set; and what DeepSpeed's import set, where a config check imported it first and took it back.
+        Stock TrainingArguments, settled only now: what transformers built from the unresolved file at its own
+        __post_init__, rebuilt from the resolution first (its config is the one zero.Init reads)."""
+        fields = {} if args.run_settings.parsed else transformers_objects(args)
         from .cuda_arch import prepare_for_deepspeed
         from .leftovers import clear_leftovers
         from .ops import announce_builds, restore_import_environment, use_environment_folder
@@ -93,9 +90,9 @@ class DeepSpeedBackend(Backend):
             prepare_for_deepspeed()
         resolution = settled_for(cls, args)  # prepare_process settled stock TrainingArguments first
         announce_builds(resolution.config)  # DeepSpeed compiles in silence: minutes that look like a hang
-        if zero_stage(resolution) == 3:
-            args.device  # noqa: B018 (transformers' property sets up the process group)
+        if zero_stage(resolution) == 3:  # the group is formed (needs_process_group)
             join_deepspeed_group()
+        return fields
 
     @classmethod
     @contextmanager

@@ -12,11 +12,10 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from ...config.values import option_words
 from ...errors import ArgumentsError, UserError
 from ...integrations import internals
 from ..base import Backend, ResolvedSettings
-from ..spec import settled_for
+from ..spec import RunSettings, given_as, settled_for
 from .settings import SHARDS, FSDPSettings, resolve_settings
 
 logger = logging.getLogger(__name__)
@@ -31,36 +30,30 @@ class FSDPBackend(Backend):
     checkpoint_state = (SHARDS,)
     optimizer_state = checkpoint_state
     rank_written_state = "each rank's optimizer shard"
-
-    @classmethod
-    def given_as(cls, args) -> str | None:
-        # Also once the flag is hidden from transformers' check on one process (arguments_for_training). fully_shard is
-        # public from torch 2.6, setup.py's floor: no library to check.
-        value = getattr(args, "fsdp", None)
-        if value and value != "false":
-            return " ".join(["--fsdp", *option_words(value)])
-        return "--fsdp" if settled_for(cls, args) is not None else None
+    flag_takes_options = True  # fully_shard is public from torch 2.6, setup.py's floor: no library to check
 
     @classmethod
     def owned_flag_problems(cls, args) -> list[str]:
         fsdp, fsdp_config = getattr(args, "fsdp", None), getattr(args, "fsdp_config", None)
-        if cls.given_as(args) is None:
+        if given_as(cls, args) is None:
             return ["--fsdp_config is read only with --fsdp: add --fsdp full_shard, or drop --fsdp_config"] \
                 if fsdp_config else []
         return resolve_settings(fsdp, fsdp_config)[2]
 
     @classmethod
-    def settle(cls, args) -> tuple[dict, FSDPSettings]:
+    def settle(cls, args) -> tuple[dict, RunSettings]:
         from ...environment.launcher import cpu_ranks
 
         settings, config, problems = resolve_settings(args.fsdp, args.fsdp_config)
         if problems:  # stock TrainingArguments (ExtTrainingArguments said them before settling)
             raise ArgumentsError("\n".join(problems))
         if settings.offload and cpu_ranks(args):
-            raise ArgumentsError(f"{cls.given_as(args)}: offload moves the shards from the GPU to CPU memory, and on "
+            raise ArgumentsError(f"{given_as(cls, args)}: offload moves the shards from the GPU to CPU memory, and on "
                                  "CPU ranks they are there already: drop offload (and cpu_offload/offload_params)")
-        # fsdp_config read once (a file or inline JSON), as transformers then reads it
-        return {"fsdp_config": config}, settings
+        # fsdp_config read once (a file or inline JSON), as transformers then reads it. fully_shard moves each rank's
+        # shards to the device (as transformers leaves an FSDP model where it was built); an empty model (partitioned
+        # loading) cannot be moved at all.
+        return {"fsdp_config": config}, RunSettings(settled=settings, place_model_on_device=False)
 
     @classmethod
     def arguments_ready(cls, args) -> dict:
@@ -69,7 +62,7 @@ class FSDPBackend(Backend):
         return {"fsdp_plugin_args": None}
 
     @classmethod
-    def arguments_for_training(cls, args) -> dict:
+    def prepare_process(cls, args) -> dict:
         from transformers.training_args import ParallelMode
 
         values = {} if args.run_settings.parsed else cls.arguments_ready(args)
@@ -79,13 +72,6 @@ class FSDPBackend(Backend):
             # hidden from that check; the settings (run_settings) select this backend.
             values["fsdp"] = False
         return values
-
-
-    @classmethod
-    def places_model_on_device(cls, args) -> bool | None:
-        # fully_shard moves each rank's shards to the device (as transformers leaves an FSDP model where it was
-        # built); an empty model (partitioned loading) cannot be moved at all.
-        return False
 
     @classmethod
     @contextmanager
@@ -250,7 +236,7 @@ class FSDPBackend(Backend):
         group = f" (process group: {dist.get_backend()})" if dist.is_initialized() else ""
         lines = [f"fully_shard on a {self.args.device.type} mesh of {self.args.world_size} rank(s){group} "
                  f"{json.dumps(asdict(self.resolved))}"]
-        compute = "bf16" if getattr(self.args, "bf16", False) else "fp16" if getattr(self.args, "fp16", False) else None
+        compute = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else None
         if compute:  # what MixedPrecisionPolicy does (shard): users check that the upcast is applied
             lines.append(f"mixed precision: {compute} parameters gathered for forward and backward, gradients reduced "
                          "in fp32, the fp32 shards (master weights) stepped and saved")
@@ -275,7 +261,7 @@ def reshard(model) -> None:
 def partitioned_loading(args) -> bool:
     """Whether rank 0 alone loads the model (cpu_ram_efficient_loading on more than one rank)."""
     settings = settled_for(FSDPBackend, args)
-    if settings is None and FSDPBackend.given_as(args) is not None:  # stock TrainingArguments not prepared yet
+    if settings is None and given_as(FSDPBackend, args) is not None:  # stock TrainingArguments not prepared yet
         settings = resolve_settings(args.fsdp, args.fsdp_config)[0]
     return settings is not None and settings.cpu_ram_efficient_loading and args.world_size > 1
 
