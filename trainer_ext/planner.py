@@ -162,8 +162,8 @@ class DecoderActivations:
 
 def formulas(mixed: bool) -> list[BackendFormula]:
     """Every backend's model-state bytes per parameter (each backend declares its own), cheapest first."""
-    return sorted((formula for backend in backend_classes() for formula in backend.memory_formulas(mixed)),
-                  key=lambda formula: formula.preference)
+    return sorted((formula.at_precision(mixed) for backend in backend_classes()
+                   for formula in backend.memory_formulas), key=lambda formula: formula.preference)
 
 
 @dataclass
@@ -412,7 +412,7 @@ def plan(size: ModelSize, world_size: int, precision: str = "fp32", offload: boo
         if formula.host_params:
             host += terms["params"]
             terms["params"] = 0.0
-        for part, extra in (formula.extra(trainable, world_size, trainable + frozen) if formula.extra else {}).items():
+        for part, extra in (formula.extra(trainable, world_size, trainable + frozen, compute_bytes) if formula.extra else {}).items():
             terms[part] += extra
         if formula.whole_below and size.decoder is not None:
             threshold = formula.whole_below(size.decoder.hidden_size)

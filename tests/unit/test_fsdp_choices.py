@@ -104,6 +104,7 @@ def loading_args(rank, world_size=2, efficient=True, place_model_on_device=False
 
     mode = ParallelMode.DISTRIBUTED if world_size > 1 else ParallelMode.NOT_DISTRIBUTED
     return SimpleNamespace(fsdp="full_shard", fsdp_config={"cpu_ram_efficient_loading": efficient},
+                           device=torch.device("cpu"),  # the process group formed (prepare_process)
                            process_index=rank, world_size=world_size, place_model_on_device=place_model_on_device,
                            parallel_mode=mode, global_batch="settled when parsed", ddp_timeout=1800)
 

@@ -55,7 +55,7 @@ class Backend(BackendSpec):
     @classmethod
     def prepare_process(cls, args) -> dict:
         """trainer_ext.prepare_process's part for this backend, once the arguments are settled and before a model is
-        built or trained: what its engine needs of the process (the 1-rank group is formed already where
+        built or trained: what its engine needs of the process (the process group is formed already where
         needs_process_group says so). Returns the fields transformers must see for training (config.settings writes
         them): what transformers built before stock TrainingArguments were settled (RunSettings.parsed False),
         rebuilt, and what only the process knows."""

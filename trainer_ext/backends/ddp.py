@@ -6,9 +6,6 @@ from .base import Backend, BackendFormula
 class DDPBackend(Backend):
     name = "ddp"
 
-    @classmethod
-    def memory_formulas(cls, mixed: bool) -> list:
-
-        # torch AMP (transformers --fp16/--bf16 under DDP) keeps fp32 weights and gradients: 16 bytes either way.
-        return [BackendFormula("ddp", "(no flag)", (4, False), (4, False), (8, False), 1.0, preference=0,
-                               autocast=True)]
+    # torch AMP (transformers --fp16/--bf16 under DDP) keeps fp32 weights and gradients: 16 bytes either way.
+    memory_formulas = (BackendFormula("ddp", "(no flag)", (4, False), (4, False), (8, False), 1.0, preference=0,
+                                      autocast=True),)

@@ -58,30 +58,26 @@ class FairScaleBackend(Backend):
         # model and asserts they are on the CPU: the Trainer must not move it.
         return {"sharded_ddp": options}, RunSettings(place_model_on_device=False if "offload" in options else None)
 
-    @classmethod
-    def memory_formulas(cls, mixed: bool) -> list:
-
-        weight = 2 if mixed else 4
-        return [
-            # OSS shards Adam's moments, ShardedDataParallel reduces each gradient to its owner; weights stay fp32.
-            # A rank also keeps one fp32 gradient bucket per other rank between steps.
-            BackendFormula("simple", "--sharded_ddp simple", (4, False), (4, True), (8, True), 1.0, preference=30,
-                           autocast=True,
-                           extra=lambda n, world, _: {"grads": 4 * min(SHARDED_DDP_BUCKET, n / world) * (world - 1)},
-                           note="OSS places whole tensors: a rank's share is 1/N up to the largest tensor; grads "
-                                "include ShardedDDP's buckets for the other ranks, up to min(2^23, Ψ/N) fp32 elements "
-                                "each (the most loaded rank)"),
-            # FullyShardedDataParallel keeps an fp32 shard; without resharding after forward the full (compute-dtype)
-            # parameters stay gathered through backward.
-            BackendFormula("zero_dp_2", "--sharded_ddp zero_dp_2", (4, True), (4, True), (8, True), 1.0,
-                           cuda_only=True, preference=40, frozen_sharded=True,
-                           extra=lambda _, world, everything: {"params": everything * weight},
-                           note=f"params include the full {weight}-byte parameters, gathered through forward and "
-                                "backward"),
-            BackendFormula("zero_dp_3", "--sharded_ddp zero_dp_3", (4, True), (4, True), (8, True), 1.5,
-                           cuda_only=True, preference=60, frozen_sharded=True,
-                           note="plus one layer's gathered parameters at a time"),
-        ]
+    memory_formulas = (
+        # OSS shards Adam's moments, ShardedDataParallel reduces each gradient to its owner; weights stay fp32.
+        # A rank also keeps one fp32 gradient bucket per other rank between steps.
+        BackendFormula("simple", "--sharded_ddp simple", (4, False), (4, True), (8, True), 1.0, preference=30,
+                       autocast=True,
+                       extra=lambda n, world, _, __: {"grads": 4 * min(SHARDED_DDP_BUCKET, n / world) * (world - 1)},
+                       note="OSS places whole tensors: a rank's share is 1/N up to the largest tensor; grads "
+                            "include ShardedDDP's buckets for the other ranks, up to min(2^23, Ψ/N) fp32 elements "
+                            "each (the most loaded rank)"),
+        # FullyShardedDataParallel keeps an fp32 shard; without resharding after forward the full (compute-dtype)
+        # parameters stay gathered through backward.
+        BackendFormula("zero_dp_2", "--sharded_ddp zero_dp_2", (4, True), (4, True), (8, True), 1.0,
+                       cuda_only=True, preference=40, frozen_sharded=True,
+                       extra=lambda _, world, everything, weight: {"params": everything * weight},
+                       note="params include the full {weight}-byte parameters, gathered through forward and "
+                            "backward"),
+        BackendFormula("zero_dp_3", "--sharded_ddp zero_dp_3", (4, True), (4, True), (8, True), 1.5,
+                       cuda_only=True, preference=60, frozen_sharded=True,
+                       note="plus one layer's gathered parameters at a time"),
+    )
 
     def __init__(self, args=None):
         super().__init__(args)

@@ -4,7 +4,7 @@ backend library imported."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ..config.values import option_words
@@ -67,10 +67,8 @@ class BackendSpec:
         return {}
 
     # -- facts read without a run: the planner's, the checkpoint's ----------------------------------------------------
-    @classmethod
-    def memory_formulas(cls, mixed: bool) -> list:
-        """The planner's rows (BackendFormula, below) for the settings this backend runs."""
-        return []
+    # The planner's rows for the settings this backend runs (BackendFormula, below), for either precision.
+    memory_formulas: tuple[BackendFormula, ...] = ()
 
     @classmethod
     def fingerprint(cls, module) -> dict:
@@ -128,22 +126,29 @@ def missing_library(backend: type[BackendSpec], args) -> str | None:
     return None
 
 
+# A parameter's bytes in the compute dtype as a formula's term: 2 in mixed precision (--bf16/--fp16), 4 in fp32. A
+# formula's note says "{compute}" for "16-bit" or "fp32" and "{weight}" for the bytes.
+COMPUTE = "compute"
+
+
 @dataclass(frozen=True)
 class BackendFormula:
-    """Bytes per trained parameter held on one rank: each term is (bytes, divided by N?)."""
+    """Bytes per trained parameter held on one rank: each term is (bytes or COMPUTE, divided by N?). Declared for
+    either precision; the planner reads it at one (at_precision)."""
     name: str
     flag: str  # how to select it with trainer_ext
-    params: tuple[float, bool]
-    grads: tuple[float, bool]
-    optimizer: tuple[float, bool]
+    params: tuple[float | str, bool]
+    grads: tuple[float | str, bool]
+    optimizer: tuple[float | str, bool]
     communication: float  # volume per step relative to DDP's all-reduce (ZeRO paper, section 7)
     host_optimizer: bool = False  # optimizer state and gradient partition live in CPU memory
     host_params: bool = False  # the parameter partitions live in CPU memory too (ZeRO-3 offload)
     cuda_only: bool = False
     note: str = ""
     preference: int = 0  # the planner recommends the lowest that fits
-    # (trained Ψ, N, all parameters) -> bytes held beyond the terms, e.g. {"grads": ...}
-    extra: Callable[[int, int, int], dict] | None = None
+    # (trained Ψ, N, all parameters, a parameter's bytes in the compute dtype) -> bytes held beyond the terms, e.g.
+    # {"grads": ...}
+    extra: Callable[[int, int, int, int], dict] | None = None
     frozen_sharded: bool = False  # frozen parameters (a LoRA's base, in the compute dtype) divided by N too
     # (hidden size) -> parameters with fewer elements stay whole on every rank besides their partition
     whole_below: Callable[[int], float] | None = None
@@ -151,6 +156,17 @@ class BackendFormula:
     # input for backward, frozen or not
     autocast: bool = False
     linears_keep_inputs: bool = False
+
+    def at_precision(self, mixed: bool) -> BackendFormula:
+        """The terms and note in mixed precision (COMPUTE: 2 bytes, "16-bit") or fp32 (4 bytes, "fp32")."""
+        weight = 2 if mixed else 4
+
+        def term(spec):
+            return (weight if spec[0] == COMPUTE else spec[0], spec[1])
+
+        note = self.note.replace("{compute}", "16-bit" if mixed else "fp32").replace("{weight}", str(weight))
+        return replace(self, params=term(self.params), grads=term(self.grads), optimizer=term(self.optimizer),
+                       note=note)
 
     def bytes(self, num_parameters: int, world_size: int) -> dict[str, float]:
         def term(spec):

@@ -17,7 +17,7 @@ from ...deepspeed_config import finish_deepspeed_config, resolve_deepspeed_confi
 from ...deepspeed_config.keys import HIDDEN_SIZE_AUTO, ZERO3_COST
 from ...integrations import internals
 from ..base import Backend, BackendFormula, ResolvedSettings
-from ..spec import RunSettings, settled_for
+from ..spec import COMPUTE, RunSettings, settled_for
 from .leaves import check_granularity
 
 logger = logging.getLogger(__name__)
@@ -108,34 +108,30 @@ class DeepSpeedBackend(Backend):
                                    "hf_deepspeed_config is gone")
         yield
 
-    @classmethod
-    def memory_formulas(cls, mixed: bool) -> list:
-
-        # 16-bit params/grads in mixed precision; DeepSpeed keeps an fp32 master partition even in fp32 training, so
-        # its sharded optimizer state is 12 bytes per parameter either way (4 master + 8 for Adam's moments).
-        weight = 2 if mixed else 4
-        return [
-            BackendFormula("zero1", '--deepspeed \'{"zero_optimization": {"stage": 1}}\'', (weight, False),
-                           (weight, False), (12, True), 1.0, preference=10),
-            BackendFormula("zero2", "--deepspeed zero2_minimal", (weight, False), (weight, True), (12, True), 1.0,
-                           preference=20),
-            # Parameters are partitioned too (a layer is gathered whole for its forward and backward, then freed),
-            # but those under stage3_param_persistence_threshold (10·h, our "auto") stay whole as well (counted where
-            # the model's shape is known: <0.2% of a BERT). zero.Init replaces F.linear with DeepSpeed's, which keeps
-            # every Linear's input for backward, a LoRA's frozen ones too.
-            BackendFormula("zero3", "--deepspeed zero3", (weight, True), (weight, True), (12, True), 1.5,
-                           preference=50, frozen_sharded=True, whole_below=PERSISTENCE, linears_keep_inputs=True,
-                           note=ZERO3_COST),
-            # The optimizer step runs on the CPU: fp32 gradient partition, master and moments in host memory.
-            BackendFormula("zero2_offload", "--deepspeed zero2_offload", (weight, False), (4, True), (12, True), 1.0,
-                           host_optimizer=True, preference=70, note="optimizer step on the CPU: slowest per step"),
-            # Parameter partitions in host memory too: the device holds only the layer being computed.
-            BackendFormula("zero3_offload", "--deepspeed zero3_offload", (weight, True), (4, True), (12, True), 1.5,
-                           host_optimizer=True, host_params=True, preference=80, frozen_sharded=True,
-                           whole_below=PERSISTENCE, linears_keep_inputs=True,
-                           note="parameters and optimizer step on the CPU: every layer crosses to the device in each "
-                                "forward and backward; the last resort"),
-        ]
+    # 16-bit params/grads in mixed precision (COMPUTE); DeepSpeed keeps an fp32 master partition even in fp32 training,
+    # so its sharded optimizer state is 12 bytes per parameter either way (4 master + 8 for Adam's moments).
+    memory_formulas = (
+        BackendFormula("zero1", '--deepspeed \'{"zero_optimization": {"stage": 1}}\'', (COMPUTE, False),
+                       (COMPUTE, False), (12, True), 1.0, preference=10),
+        BackendFormula("zero2", "--deepspeed zero2_minimal", (COMPUTE, False), (COMPUTE, True), (12, True), 1.0,
+                       preference=20),
+        # Parameters are partitioned too (a layer is gathered whole for its forward and backward, then freed), but
+        # those under stage3_param_persistence_threshold (10·h, our "auto") stay whole as well (counted where the
+        # model's shape is known: <0.2% of a BERT). zero.Init replaces F.linear with DeepSpeed's, which keeps every
+        # Linear's input for backward, a LoRA's frozen ones too.
+        BackendFormula("zero3", "--deepspeed zero3", (COMPUTE, True), (COMPUTE, True), (12, True), 1.5,
+                       preference=50, frozen_sharded=True, whole_below=PERSISTENCE, linears_keep_inputs=True,
+                       note=ZERO3_COST),
+        # The optimizer step runs on the CPU: fp32 gradient partition, master and moments in host memory.
+        BackendFormula("zero2_offload", "--deepspeed zero2_offload", (COMPUTE, False), (4, True), (12, True), 1.0,
+                       host_optimizer=True, preference=70, note="optimizer step on the CPU: slowest per step"),
+        # Parameter partitions in host memory too: the device holds only the layer being computed.
+        BackendFormula("zero3_offload", "--deepspeed zero3_offload", (COMPUTE, True), (4, True), (12, True), 1.5,
+                       host_optimizer=True, host_params=True, preference=80, frozen_sharded=True,
+                       whole_below=PERSISTENCE, linears_keep_inputs=True,
+                       note="parameters and optimizer step on the CPU: every layer crosses to the device in each "
+                            "forward and backward; the last resort"),
+    )
 
     def __init__(self, args=None):
         super().__init__(args)

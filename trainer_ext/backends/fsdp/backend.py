@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ...errors import ArgumentsError, UserError
 from ...integrations import internals
-from ..base import Backend, ResolvedSettings
+from ..base import Backend, BackendFormula, ResolvedSettings
 from ..spec import RunSettings, given_as, settled_for
 from .settings import SHARDS, FSDPSettings, resolve_settings
 
@@ -63,6 +63,8 @@ class FSDPBackend(Backend):
 
     @classmethod
     def prepare_process(cls, args) -> dict:
+        """What transformers must see for training: no FSDP plugin for stock TrainingArguments too, and on one process
+        its --fsdp hidden."""
         from transformers.training_args import ParallelMode
 
         values = {} if args.run_settings.parsed else cls.arguments_ready(args)
@@ -92,23 +94,18 @@ class FSDPBackend(Backend):
         with built_empty():
             yield
 
-    @classmethod
-    def memory_formulas(cls, mixed: bool) -> list:
-        from ..base import BackendFormula
-
-        # fp32 shards of the parameters (the master weights under --bf16/--fp16), their gradients and Adam's moments;
-        # only the layer being computed is gathered, in the compute dtype.
-        gathered = "16-bit" if mixed else "fp32"
-        return [
-            BackendFormula("fsdp", "--fsdp full_shard", (4, True), (4, True), (8, True), 1.5, preference=55,
-                           frozen_sharded=True,
-                           note=f"plus one layer's {gathered} parameters gathered at a time (transient)"),
-            BackendFormula("fsdp_shard_grad_op", "--fsdp shard_grad_op", (4, True), (4, True), (8, True), 1.0,
-                           preference=35, frozen_sharded=True,
-                           extra=lambda _, world, everything: {"params": everything * (2 if mixed else 4)},
-                           note=f"params include the whole model's {gathered} parameters, gathered through forward "
-                                "and backward"),
-        ]
+    # fp32 shards of the parameters (the master weights under --bf16/--fp16), their gradients and Adam's moments;
+    # only the layer being computed is gathered, in the compute dtype.
+    memory_formulas = (
+        BackendFormula("fsdp", "--fsdp full_shard", (4, True), (4, True), (8, True), 1.5, preference=55,
+                       frozen_sharded=True,
+                       note="plus one layer's {compute} parameters gathered at a time (transient)"),
+        BackendFormula("fsdp_shard_grad_op", "--fsdp shard_grad_op", (4, True), (4, True), (8, True), 1.0,
+                       preference=35, frozen_sharded=True,
+                       extra=lambda _, world, everything, weight: {"params": everything * weight},
+                       note="params include the whole model's {compute} parameters, gathered through forward "
+                            "and backward"),
+    )
 
     def __init__(self, args=None):
         super().__init__(args)  # the library (stock TrainingArguments did not ask)
