@@ -412,7 +412,8 @@ def plan(size: ModelSize, world_size: int, precision: str = "fp32", offload: boo
         if formula.host_params:
             host += terms["params"]
             terms["params"] = 0.0
-        for part, extra in (formula.extra(trainable, world_size, trainable + frozen, compute_bytes) if formula.extra else {}).items():
+        extras = formula.extra(trainable, world_size, trainable + frozen, compute_bytes) if formula.extra else {}
+        for part, extra in extras.items():
             terms[part] += extra
         if formula.whole_below and size.decoder is not None:
             threshold = formula.whole_below(size.decoder.hidden_size)

@@ -117,17 +117,15 @@ def launch_one_rank_without_launcher() -> bool:
     return True
 
 
-def form_process_group(args) -> bool:
+def form_process_group(args) -> None:
     """For a backend whose engine needs the process group before a model is built (ZeRO-3's zero.Init, fully_shard's
     mesh), also on one process: under a launcher, transformers' device set-up (the arguments' `device`, which the
     Trainer would run when built) forms it now; in `python script.py ...` with no launcher, the variables a launcher
     would give a 1-rank job first, then that set-up run again (it ran when the arguments were built, without them).
-    The one place trainer_ext has a process group formed. True when it formed a 1-rank one."""
-    one_rank = launch_one_rank_without_launcher()
-    if one_rank:
+    The one place trainer_ext has a process group formed."""
+    if launch_one_rank_without_launcher():
         internals.forget_device_setup(args)  # running transformers' device set-up again resets accelerate's
     args.device  # noqa: B018 (the property sets up the process group)
-    return one_rank
 
 
 def accelerator_available() -> bool:
