@@ -99,7 +99,8 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self._train_order = None  # the training order (batch sampler or stream); its position goes in every checkpoint
         self._resume = None  # {"checkpoint", "step", "state", "loss_sum"}: the checkpoint resumed, its step, data
         # position and summed training loss
-        self._learning_rate_in_use = None  # the rate of the step being trained, where the backend knows it better
+        self._learning_rate_in_use = None  # the rate of the step being trained, where the backend steps in backward
+        self._backend_wrapper = None  # (what the backend's wrap_model returned, the model it wrapped): see user_model
         self.fresh_optimizer_groups = None  # each group's hyperparameters as this run built them (create_scheduler)
         self._evaluation_model = None  # the backend's engine for an evaluation (see evaluation_loop)
         self._evaluation_losses = None  # the token-weighted loss of the evaluation running (see evaluation_loop)
@@ -108,10 +109,10 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self.checkpoints = RunCheckpoints(self)  # resume, publish, rotate, --checkpoint_uri
         # First: its on_save publishes the checkpoint that every later on_save expects in place.
         self.callback_handler.callbacks.insert(0, self.checkpoints)
+        for callback in self.backend.callbacks(self):  # before TrainingHooks: a resume's backend state loaded first
+            self.add_callback(callback)
         self.add_callback(TrainingHooks(self))
         self.add_callback(RestartReport(self))  # what a restart continues from, and what it cost
-        for callback in self.backend.callbacks(self):
-            self.add_callback(callback)
         self.training_already_complete = None  # the checkpoint a re-run found complete (train() then trains nothing)
         self.final_model_dir = None  # where train() saved the final model itself (a SageMaker job's SM_MODEL_DIR)
         self.compute_metrics = checked_compute_metrics(self)  # not a dict of numbers: one line, progress saved
@@ -214,7 +215,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         if self._parent_computes_loss() or (not model.training and self._logits_wanted) \
                 or self.args.torch_compile or self.args.use_liger_kernel:
             return False
-        module = self.backend.unwrap(self.accelerator.unwrap_model(model))
+        module = self.user_model(model)
         return (token_labels(inputs) is not None and shifts_labels(module) and output_head(module) is not None
                 and getattr(base_model(module).config.get_text_config(), "final_logit_softcapping", None) is None)
 
@@ -222,7 +223,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         """The causal LM's cross-entropy (with --label_smoothing_factor) over its target tokens, taken through lm_head
         a chunk at a time inside the model's own forward (training/chunked_loss.py), normalised as the model's own
         loss is: by the targets of every rank and micro-batch when transformers counted them, else by this batch's."""
-        module = self.backend.unwrap(self.accelerator.unwrap_model(model))
+        module = self.user_model(model)
         shifted = inputs.get("shift_labels")
         targets = shifted if torch.is_tensor(shifted) else inputs["labels"][:, 1:]
         config = base_model(module).config.get_text_config()
@@ -271,7 +272,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                                                                   device=logits.device)
         # A weighted mean divides by the weights of its targets, which transformers does not count: per batch.
         normaliser = num_items_in_batch if weight is None else None
-        shift = logits.dim() > 2 and shifts_labels(self.backend.unwrap(self.accelerator.unwrap_model(model)))
+        shift = logits.dim() > 2 and shifts_labels(self.user_model(model))
         loss = token_cross_entropy(logits, labels, shift, self.args.label_smoothing_factor, weight, normaliser)
         return self._normalised(loss, normaliser is not None)
 
@@ -300,7 +301,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             return self.optimizer
         model = model if model is not None else self.model
         if self.backend.wraps_before_optimizer:  # parameter sharding: optimize the shards it creates
-            model = self.backend.wrap_model(self, model)
+            model = self._wrapped_by_backend(model)
             internals.set_wrapped_model(self, model)
         settings = self.optimizer_settings
         decay = set(self.get_decay_parameter_names(model))
@@ -321,10 +322,29 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         if not self.backend.wraps_before_optimizer:
             # A backend whose wrapper needs the optimizer: transformers then finds the model wrapped and prepares only
             # the optimizer; None lets accelerate wrap it (DDP).
-            wrapped = self.backend.wrap_model(self, model)
-            if wrapped is not None:
+            wrapped = self._wrapped_by_backend(model)
+            if wrapped is not model:
                 internals.set_wrapped_model(self, wrapped)
         return self.optimizer
+
+    def _wrapped_by_backend(self, model):
+        """The model as the backend wraps it for training (itself where accelerate is to wrap it), remembered for
+        user_model."""
+        wrapped = self.backend.wrap_model(self, model)
+        if wrapped is None or wrapped is model:
+            return model
+        self._backend_wrapper = (wrapped, model)
+        return wrapped
+
+    def user_model(self, model=None):
+        """The user's model (default: the trainer's) inside whatever trains it: accelerate's wrappers (DDP, a DeepSpeed
+        engine) and the backend's own, which is what its wrap_model returned around it; None without a model."""
+        model = self.model if model is None else model
+        if model is None:
+            return None
+        model = self.accelerator.unwrap_model(model)
+        wrapper, wrapped = self._backend_wrapper or (None, None)
+        return wrapped if model is wrapper else model
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None:
@@ -403,7 +423,8 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
     # -- backend hooks ---------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._check_batch("training", inputs)
-        self._learning_rate_in_use = self.backend.learning_rate_in_use(self)
+        if self.backend.steps_in_backward:  # transformers would read the rate after the engine stepped
+            self._learning_rate_in_use = self.optimizer.param_groups[0]["lr"]
         return finite_for_logging(self, super().training_step(model, inputs, num_items_in_batch))
 
     def _check_batch(self, kind: str, inputs) -> None:
@@ -445,6 +466,11 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             output.metrics[f"{metric_key_prefix}_loss"] = token_loss
         return output
 
+    @property
+    def resumed_checkpoint(self) -> str | None:
+        """The checkpoint folder this train() resumes (None: it starts fresh, or has not chosen yet)."""
+        return self._resume["checkpoint"] if self._resume is not None else None
+
     def train(self, resume_from_checkpoint=None, **kwargs):
         """Resumes a restarted command by default: with no `resume_from_checkpoint` (or "auto") the newest complete
         checkpoint in output_dir that an earlier process wrote is used, unless --fresh_start; True the newest (an
@@ -464,7 +490,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self.checkpoints.open_remote()
         self.checkpoints.clear_staging()
         # No model yet: model_init builds it inside train() (hyperparameter_search drops it between trials).
-        module = self.backend.unwrap(self.accelerator.unwrap_model(self.model)) if self.model is not None else None
+        module = self.user_model()
         checkpoint = self.checkpoints.to_resume(resume_from_checkpoint,
                                                 self.backend.fingerprint(module) if module is not None else None)
         if checkpoint:
@@ -515,16 +541,15 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
 
 class TrainingHooks(TrainerCallback):
     """What ExtTrainer adds at the Trainer's events: the training order's epoch where transformers cannot reach it,
-    and the backend's steps once transformers has prepared the model and optimizer (and loaded its part of a
-    checkpoint)."""
+    and, resuming, this run's settings over the checkpoint's once transformers and the backend loaded it."""
 
     def __init__(self, trainer):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = self.trainer
-        # Resuming, transformers loaded the weights, scheduler and optimizer file; the backend loads its own state.
-        trainer.backend.on_train_begin(trainer, trainer._resume["checkpoint"] if trainer._resume is not None else None)
+        # Resuming, transformers loaded the weights, scheduler and optimizer file, and the backend's callbacks its own
+        # state: this run's settings go back over the checkpoint's.
         if trainer._resume is not None:
             trainer.checkpoints.continue_with_this_runs_settings(Path(trainer._resume["checkpoint"]))
             if not args.auto_find_batch_size:  # the loaded state holds the checkpoint's batch; its next save this one's

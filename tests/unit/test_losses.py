@@ -97,12 +97,13 @@ class Ranks:
     def __init__(self, world_size=1, rank=0, remainder=None, others=(), nan_filter=True):
         model = tiny("llama")
         self.model = model
-        self.backend = SimpleNamespace(unwrap=lambda module: module)
         self.args = SimpleNamespace(world_size=world_size, process_index=rank, logging_nan_inf_filter=nan_filter)
         self.others = list(others)
         state = SimpleNamespace(end_of_dataloader=False, remainder=remainder)
-        self.accelerator = SimpleNamespace(unwrap_model=lambda module: module, gradient_state=state,
-                                           reduce=self.reduce)
+        self.accelerator = SimpleNamespace(gradient_state=state, reduce=self.reduce)
+
+    def user_model(self):
+        return self.model
 
     def reduce(self, totals, reduction):
         assert reduction == "sum"

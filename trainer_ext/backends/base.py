@@ -69,7 +69,11 @@ class Backend(BackendSpec):
 
     # -- moment 3, the trainer's hooks (ExtTrainer calls these from the Trainer's public hooks) ----------------------
     def callbacks(self, trainer) -> list:
-        """TrainerCallbacks this backend adds to the trainer when it is built."""
+        """TrainerCallbacks this backend adds to the trainer when it is built: its steps at transformers' own events,
+        run before ExtTrainer's. Its on_train_begin comes after transformers wrapped and prepared the model and
+        optimizer, before the first step; resuming (trainer.resumed_checkpoint), this backend's own training state
+        is loaded there, on every rank, after what transformers loads itself (weights before wrapping, scheduler, the
+        optimizer file) and before this run's hyperparameters are put back over the checkpoint's."""
         return []
 
     def before_train(self, trainer, checkpoint) -> None:
@@ -83,24 +87,12 @@ class Backend(BackendSpec):
     def wrap_model(self, trainer, model):
         """The model wrapped for training (called once the optimizer exists, or before it with
         wraps_before_optimizer); None: accelerate wraps it (DDP). A wrapper that is a new object is trained through
-        as it is: transformers then prepares only the optimizer."""
+        as it is: transformers then prepares only the optimizer, and ExtTrainer finds the user's model in it as the
+        one it handed over (ExtTrainer.user_model)."""
         return None
-
-    def unwrap(self, model):
-        """The user's model inside this backend's wrapper."""
-        return model
-
-    def on_train_begin(self, trainer, checkpoint) -> None:
-        """After transformers wrapped and prepared the model and optimizer, before the first step. Resuming
-        (`checkpoint` is its folder, else None): this backend's own training state, on every rank, after transformers
-        loaded what it loads itself (weights before wrapping, scheduler, the optimizer file)."""
 
     def clip_grad_norm(self, trainer, model, max_norm: float):
         """The pre-clip total norm after clipping; None: transformers clips."""
-        return None
-
-    def learning_rate_in_use(self, trainer) -> float | None:
-        """The rate the coming optimizer step will use, where transformers would read it too late."""
         return None
 
     def save(self, trainer, folder):

@@ -125,12 +125,6 @@ class FairScaleBackend(Backend):
             model = model.to("cpu")  # FSDP keeps the fp32 shards where it finds them; offload asserts the CPU
         return FullyShardedDataParallel(model, **fsdp_settings(self.options, trainer.args))
 
-    def unwrap(self, model):
-        from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
-
-        model = model.module if isinstance(model, (ShardedDataParallel, FullyShardedDataParallel)) else model
-        return internals.uncompiled(model)  # --torch_compile
-
     # -- steps and checkpoints -------------------------------------------------------------------------
     def clip_grad_norm(self, trainer, model, max_norm: float):
         """A norm over all shards: every rank gets the same total norm and the same clipping factor. Under --fp16 the

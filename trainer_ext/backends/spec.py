@@ -26,6 +26,9 @@ class BackendSpec:
     install = ""
     # Parameter sharding: the model is wrapped before the optimizer, which is built on the shards.
     wraps_before_optimizer = False
+    # Its engine steps the optimizer and scheduler inside backward, before transformers reads the rate the step used:
+    # ExtTrainer logs the rate the optimizer held before the step instead.
+    steps_in_backward = False
     # Its engine needs the process group before a model is built, even on one process (prepare_process forms it: a
     # 1-rank one without a launcher).
     needs_process_group = False

@@ -207,7 +207,7 @@ def hold_output_dir(trainer) -> None:
     """Before training: refuse an output_dir that is (or holds) the model being trained, or whose disk has no room
     for a checkpoint, then take its lock on the main process; every rank gets the same answer."""
     args = trainer.args
-    model = trainer.backend.unwrap(trainer.accelerator.unwrap_model(trainer.model)) if trainer.model is not None else None
+    model = trainer.user_model()
     source = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
 
     def decide():

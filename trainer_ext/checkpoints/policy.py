@@ -103,8 +103,7 @@ class RunCheckpoints(TrainerCallback):
         """(the model, the data) this train() started from (origin.py), read once per train() by the main process."""
         if self._origin is None:
             trainer = self.trainer
-            module = trainer.backend.unwrap(trainer.accelerator.unwrap_model(trainer.model)) \
-                if trainer.model is not None else None
+            module = trainer.user_model()
             self._origin = (model_origin(module), data_origin(trainer.train_dataset)
                             if trainer.train_dataset is not None else None)
         return self._origin
@@ -329,7 +328,7 @@ class RunCheckpoints(TrainerCallback):
         if best != state.best_model_checkpoint:  # transformers looked for it in the staging folder
             state.best_model_checkpoint = best
             state.save_to_json(str(staged / "trainer_state.json"))
-        module = trainer.backend.unwrap(trainer.accelerator.unwrap_model(trainer.model))
+        module = trainer.user_model()
         model, data = self.origin()
         final = publish(staged, run_dir, {"step": state.global_step, "world_size": self.args.world_size,
                                           "backend": trainer.backend.settings().description,

@@ -138,7 +138,7 @@ class EvaluationLosses:
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self.shift = shifts_labels(trainer.backend.unwrap(trainer.accelerator.unwrap_model(trainer.model)))
+        self.shift = shifts_labels(trainer.user_model())
         self.total = self.targets = None
         self.token_level = True
 

@@ -38,9 +38,6 @@ class NoSyncEveryOtherStep(Backend):
         wrapped.register_comm_hook(None, counted)
         return wrapped
 
-    def unwrap(self, model):
-        return getattr(model, "module", model)
-
     def callbacks(self, trainer) -> list:
         backend = self
 

@@ -39,6 +39,7 @@ class DeepSpeedBackend(Backend):
     optimizer_state = checkpoint_state
     rank_written_state = "each rank's optimizer partition"
     resumes_weights_only = False  # transformers resumes the engine from its own files only
+    steps_in_backward = True  # accelerate runs engine.step() (optimizer and scheduler) inside backward
 
     @classmethod
     def settle(cls, args) -> tuple[dict, RunSettings]:
@@ -142,7 +143,7 @@ class DeepSpeedBackend(Backend):
         self._said_partitioned_save = False  # the final model saved as ZeRO shards only: said once
 
     def callbacks(self, trainer) -> list:
-        return [skipped_steps_callback(trainer)]
+        return [engine_callback(self, trainer)]
 
     def before_train(self, trainer, checkpoint) -> None:
         """Phase 2 of the translation runs where transformers runs its own: its config object's
@@ -194,7 +195,8 @@ class DeepSpeedBackend(Backend):
         self.resolution.notes.append(f"resuming a {saved}-rank ZeRO checkpoint on {world_size} ranks (universal)")
         return True
 
-    def on_train_begin(self, trainer, checkpoint) -> None:
+    def engine_ready(self, trainer) -> None:
+        """Once transformers built the engine (and loaded a resumed checkpoint into it), before the first step."""
         from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupLR
 
         engine = trainer.model_wrapped
@@ -278,12 +280,6 @@ class DeepSpeedBackend(Backend):
             super().load_weights(trainer, checkpoint)
         finally:
             internals.set_deepspeed_enabled(trainer, True)
-
-    def learning_rate_in_use(self, trainer) -> float | None:
-        # accelerate runs engine.step() (optimizer and scheduler) inside backward, before transformers reads
-        # the rate "before the update"; the engine's rate before the training step is the one used.
-        engine = trainer.model_wrapped
-        return engine.get_lr()[0] if hasattr(engine, "get_lr") else None
 
     def settings(self) -> ResolvedSettings:
         if self.resolution is None:
@@ -635,12 +631,13 @@ def check_overflow_by_norm(optimizer) -> str:
     return "gradient norm (a non-finite norm skips the step; no per-parameter scan)"
 
 
-def skipped_steps_callback(trainer):
-    """The callback that names each optimizer step DeepSpeed skipped for a non-finite gradient norm under bf16 and
-    stops the run after MAX_CONSECUTIVE_NONFINITE in a row (built here: transformers imports torch)."""
+def engine_callback(backend, trainer):
+    """The backend's steps at transformers' events (built here: transformers imports torch): the engine aligned with
+    transformers' schedule once it exists (DeepSpeedBackend.engine_ready), and each optimizer step DeepSpeed skipped
+    for a non-finite gradient norm under bf16 named, the run stopped after MAX_CONSECUTIVE_NONFINITE in a row."""
     from transformers import TrainerCallback
 
-    class SkippedSteps(TrainerCallback):
+    class EngineSteps(TrainerCallback):
         """Under fp16 skips are the loss scale's normal search (DeepSpeed logs them); under bf16 each is named, and
         after MAX_CONSECUTIVE_NONFINITE in a row every further step would be skipped too: the weights are still those of
         the last good step."""
@@ -648,6 +645,9 @@ def skipped_steps_callback(trainer):
         def __init__(self, trainer):
             self.trainer = trainer
             self.consecutive = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            backend.engine_ready(self.trainer)
 
         def on_optimizer_step(self, args, state, control, **kwargs):
             engine = self.trainer.model_wrapped
@@ -668,7 +668,7 @@ def skipped_steps_callback(trainer):
                     f"{self.consecutive[0] - 1} (finite, not saved again). Lower --learning_rate, raise --warmup_steps "
                     "or check the data for inf/NaN, then resume from the last checkpoint", main)
 
-    return SkippedSteps(trainer)
+    return EngineSteps(trainer)
 
 
 class NonFiniteGradients(SystemExit):

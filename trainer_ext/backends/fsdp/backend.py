@@ -130,9 +130,6 @@ class FSDPBackend(Backend):
         # wrap the sharded model in DDP); evaluation and generation run the model itself.
         return wrapper_class()(model)
 
-    def unwrap(self, model):
-        return model.module if getattr(model, "wraps_fully_sharded", False) else model
-
     @contextmanager
     def evaluating(self, trainer):
         # Evaluating before training under partitioned loading: the other ranks' models are still empty, so the model
@@ -190,9 +187,21 @@ class FSDPBackend(Backend):
         dcp.save(state, checkpoint_id=str(Path(folder) / SHARDS))
         self.optimizer_file.stub_next = True
 
-    def on_train_begin(self, trainer, checkpoint) -> None:
-        """Resuming: the optimizer's shards, re-sharded by torch.distributed.checkpoint for this run's ranks (the
-        weights came from the checkpoint's consolidated model, loaded by transformers before wrapping)."""
+    def callbacks(self, trainer) -> list:
+        from transformers import TrainerCallback
+
+        backend = self
+
+        class ResumeShards(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                backend.load_optimizer_shards(trainer, trainer.resumed_checkpoint)
+
+        return [ResumeShards()]
+
+    def load_optimizer_shards(self, trainer, checkpoint) -> None:
+        """Resuming (`checkpoint`; None: nothing), once transformers prepared the optimizer: its shards, re-sharded
+        by torch.distributed.checkpoint for this run's ranks (the weights came from the checkpoint's consolidated
+        model, loaded by transformers before wrapping)."""
         if checkpoint is None:
             return
         folder = Path(checkpoint) / SHARDS
