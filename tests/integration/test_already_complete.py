@@ -61,3 +61,11 @@ def test_rerun_trains_nothing_and_finds_the_finished_run_at_the_checkpoint_uri(t
     assert not (output_dir / "checkpoint-7").exists()
     eval_after = json.loads((output_dir / "eval_results.json").read_text())
     assert abs(eval_after["eval_loss"] - eval_before["eval_loss"]) < 1e-6
+
+
+@pytest.mark.model_package
+def test_rerun_of_a_finished_fsdp_command_with_rank_0_loading_trains_nothing(tmp_path):
+    """FSDP2 whose other ranks build the model empty (cpu_ram_efficient_loading): the finished weights are loaded on
+    rank 0 and reach the others when the model is sharded for the evaluation; nothing trains or changes."""
+    finished_then_rerun(tmp_path / "run", "torchrun", "--fsdp", "full_shard", "--fsdp_config",
+                        '{"cpu_ram_efficient_loading": true}')
