@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (ACCUMULATE, BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, assert_same_training,
-                      clean_env, free_port, launch, logged, max_weight_difference)
+from conftest import (ACCUMULATE, BIN, GLUE, GLUE_COMMON, PLAIN, PYTHON, REPO, STEPS, TINY_TRAIN,
+                      assert_same_training, clean_env, free_port, launch, logged, max_weight_difference)
 
 pytestmark = [pytest.mark.launch, pytest.mark.deepspeed, pytest.mark.model_package]
 
@@ -36,6 +36,21 @@ def test_deepspeed_in_one_process_without_a_launcher(plain_runs, tmp_path):
     die importing mpi4py) and trains exactly like the plain single process."""
     launch("single", tmp_path / "zero2", *PLAIN, "--per_device_train_batch_size", 16, "--deepspeed", "zero2_minimal")
     assert_same_training(plain_runs / "single", tmp_path / "zero2", STEPS)
+
+
+def test_zero2_retried_by_auto_find_batch_size_trains_as_the_batch_it_settles_on(tmp_path):
+    """--auto_find_batch_size under ZeRO-2 (transformers refuses it under ZeRO-3): after each out-of-memory failure
+    transformers rebuilds the DeepSpeed config for a smaller batch (propagate_args_to_deepspeed, over the object our
+    backend finished) and a new engine; the run must then train exactly as one started at the batch it settled on."""
+    flags = ["--deepspeed", "zero2_minimal", "--max_steps", 3, "--logging_steps", 1, "--learning_rate", 1e-3,
+             "--save_strategy", "no", "--report_to", "none"]
+    launch("single", tmp_path / "retried", *flags, "--per_device_train_batch_size", 16, "--auto_find_batch_size",
+           script=TINY_TRAIN, env={"TINY_TRAIN_OOM_ABOVE": "8"})
+    state = json.loads((tmp_path / "retried" / "trainer_state.json").read_text())
+    assert state["train_batch_size"] == 8  # accelerate halves it, or takes 10% off each time: 8 either way
+    launch("single", tmp_path / "direct", *flags, "--per_device_train_batch_size", 8, script=TINY_TRAIN)
+    for key in ("loss", "grad_norm", "learning_rate"):
+        assert logged(tmp_path / "retried", key) == pytest.approx(logged(tmp_path / "direct", key), abs=1e-6), key
 
 
 def test_losses_are_true_not_scaled_by_world_size(plain_runs):

@@ -10,7 +10,9 @@ The final model, train_results.json (train_loss, ...) and trainer_state.json (pe
 output_dir.
 TINY_TRAIN_NONFINITE_STEPS="3" (or "3-": from step 3 on) makes the logits of those optimizer steps infinite, so their
 gradients hold inf/NaN: what a diverging run or a bad batch does to a real one. Under --fp16 each logged step also
-records `loss_scale`, the scale the next step will use (DeepSpeed's loss scaler, or accelerate's GradScaler)."""
+records `loss_scale`, the scale the next step will use (DeepSpeed's loss scaler, or accelerate's GradScaler).
+TINY_TRAIN_OOM_ABOVE="8": a training step with more than 8 samples per device fails as the GPU's out-of-memory does
+(--auto_find_batch_size then retries with a smaller batch)."""
 
 import argparse
 import contextlib
@@ -98,8 +100,19 @@ class LossScale(TrainerCallback):
             state.log_history[-1]["loss_scale"] = float(scale)
 
 
+class OutOfMemoryAbove(TrainerCallback):
+    def __init__(self, most: int):
+        self.most = most
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.train_batch_size > self.most:
+            raise RuntimeError("CUDA out of memory.")  # accelerate's find_executable_batch_size reads this text
+
+
 injected = os.environ.get("TINY_TRAIN_NONFINITE_STEPS")
 callbacks = [NonFiniteSteps(injected)] if injected else []
+if os.environ.get("TINY_TRAIN_OOM_ABOVE"):
+    callbacks.append(OutOfMemoryAbove(int(os.environ["TINY_TRAIN_OOM_ABOVE"])))
 if args.fp16:
     callbacks.append(LossScale())
 if mine.report_dir:
