@@ -301,7 +301,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             return self.optimizer
         model = model if model is not None else self.model
         if self.backend.wraps_before_optimizer:  # parameter sharding: optimize the shards it creates
-            model = self._wrapped_by_backend(model)
+            model = self._wrap_by_backend(model)
             internals.set_wrapped_model(self, model)
         settings = self.optimizer_settings
         decay = set(self.get_decay_parameter_names(model))
@@ -322,19 +322,23 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         if not self.backend.wraps_before_optimizer:
             # A backend whose wrapper needs the optimizer: transformers then finds the model wrapped and prepares only
             # the optimizer; None lets accelerate wrap it (DDP).
-            wrapped = self._wrapped_by_backend(model)
+            wrapped = self._wrap_by_backend(model)
             if wrapped is not model:
                 internals.set_wrapped_model(self, wrapped)
         return self.optimizer
 
-    def _wrapped_by_backend(self, model):
-        """The model as the backend wraps it for training (itself where accelerate is to wrap it), remembered for
-        user_model."""
+    def _wrap_by_backend(self, model):
+        """The model as the backend wraps it for training (itself where accelerate is to wrap it); a wrapper of its own
+        is remembered (is_backend_wrapper, user_model)."""
         wrapped = self.backend.wrap_model(self, model)
         if wrapped is None or wrapped is model:
             return model
         self._backend_wrapper = (wrapped, model)
         return wrapped
+
+    def is_backend_wrapper(self, model) -> bool:
+        """Whether `model` is the backend's own wrapper (what its wrap_model returned)."""
+        return self._backend_wrapper is not None and model is self._backend_wrapper[0]
 
     def user_model(self, model=None):
         """The user's model (default: the trainer's) inside whatever trains it: accelerate's wrappers (DDP, a DeepSpeed
@@ -343,8 +347,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         if model is None:
             return None
         model = self.accelerator.unwrap_model(model)
-        wrapper, wrapped = self._backend_wrapper or (None, None)
-        return wrapped if model is wrapper else model
+        return self._backend_wrapper[1] if self.is_backend_wrapper(model) else model
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None:
@@ -550,8 +553,8 @@ class TrainingHooks(TrainerCallback):
         trainer = self.trainer
         # Resuming, transformers loaded the weights, scheduler and optimizer file, and the backend's callbacks its own
         # state: this run's settings go back over the checkpoint's.
-        if trainer._resume is not None:
-            trainer.checkpoints.continue_with_this_runs_settings(Path(trainer._resume["checkpoint"]))
+        if trainer.resumed_checkpoint is not None:
+            trainer.checkpoints.continue_with_this_runs_settings(Path(trainer.resumed_checkpoint))
             if not args.auto_find_batch_size:  # the loaded state holds the checkpoint's batch; its next save this one's
                 state.train_batch_size = internals.train_batch_size(trainer)
 

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.oldest
 OWN = {"_custom_loss_requested", "_custom_loss", "_learn_whether_loss_reads_num_items", "_parent_computes_loss",
        "_normalised", "_on_every_rank", "_say_where_token_losses_are_normalised", "training_order_state",
        "training_loss_sum", "train_in_output_dir", "_check_batch", "_chunked_loss_applies", "_chunked_loss",
-       "_largest_on_every_rank", "_wrapped_by_backend", "user_model", "resumed_checkpoint"}
+       "_largest_on_every_rank", "_wrap_by_backend", "user_model", "is_backend_wrapper",
+       "resumed_checkpoint"}
 # The private Trainer methods ExtTrainer overrides, each with its reason in integrations/internals.py and docs/versions.md
 # ("Supported versions"); everything else rides on public hooks.
 PRIVATE_OVERRIDES = {"_get_output_dir", "_wrap_model", "_clip_grad_norm", "_finalize_training"}

@@ -27,7 +27,7 @@ class PrivateTrainerHooks:
         # accelerate recognises, so transformers would wrap it again.
         if not training and self._evaluation_model is not None:
             return self._evaluation_model
-        if training and self.user_model(model) is not self.accelerator.unwrap_model(model):
+        if training and self.is_backend_wrapper(model):
             return model
         return super()._wrap_model(model, training, dataloader)
 
