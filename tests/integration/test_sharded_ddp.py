@@ -115,7 +115,12 @@ def test_simple_under_bf16_runs_the_forward_in_bf16_like_ddp(tmp_path):
     # fp32 in one process on the same global batch: the precision reference, one process instead of a launch
     launch("single", tmp_path / "fp32", *flags, "--per_device_train_batch_size", 16, script=TINY_TRAIN)
     bf16, simple, fp32 = (logged(tmp_path / name) for name in ("ddp_bf16", "simple_bf16", "fp32"))
-    assert max(abs(bf16[s] - simple[s]) for s in bf16) < 1e-5
+    # Step 1 (the same weights) is the same forward: exactly DDP's bf16 loss, not the fp32 one (9.6e-6 away).
+    assert abs(bf16[1] - simple[1]) < 1e-7 and abs(fp32[1] - simple[1]) > 2e-6
+    # Then the two reduce the fp32 gradients in different orders (DDP's all-reduce, ShardedDDP's reduce to each
+    # parameter's owner): the last bit of a weight differs, and its bf16 rounding can flip. Measured: 2.7e-5 at step
+    # 6 on an AVX2 EPYC (0 on the machine this test was written on); the precision's own gap is 1.7e-3.
+    assert max(abs(bf16[s] - simple[s]) for s in bf16) < 1e-4
     assert max(abs(bf16[s] - fp32[s]) for s in bf16) > 1e-4  # the precision is visible in the losses
 
 
