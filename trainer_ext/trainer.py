@@ -20,6 +20,7 @@ from transformers.trainer_pt_utils import find_batch_size
 
 from .training import progress
 from .backends import select_backend
+from .backends.base import OptimizerRecipe
 from .checkpoints.format import AUTO, newest_valid_checkpoint, read_data_state, read_loss_sum, resume_request
 from .data.loader import check_training_data, dataloader_with_batch_sampler, stream_dataloader
 from .config.batch import given_record
@@ -100,7 +101,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         self._resume = None  # {"checkpoint", "step", "state", "loss_sum"}: the checkpoint resumed, its step, data
         # position and summed training loss
         self._learning_rate_in_use = None  # the rate of the step being trained, where the backend steps in backward
-        self._backend_wrapper = None  # (what the backend's wrap_model returned, the model it wrapped): see user_model
+        self._backend_wrapper = None  # (the backend's wrapper, the model it wrapped): see user_model
         self.fresh_optimizer_groups = None  # each group's hyperparameters as this run built them (create_scheduler)
         self._evaluation_model = None  # the backend's engine for an evaluation (see evaluation_loop)
         self._evaluation_losses = None  # the token-weighted loss of the evaluation running (see evaluation_loop)
@@ -300,9 +301,21 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         if self.optimizer is not None:
             return self.optimizer
         model = model if model is not None else self.model
-        if self.backend.wraps_before_optimizer:  # parameter sharding: optimize the shards it creates
-            model = self._wrap_by_backend(model)
-            internals.set_wrapped_model(self, model)
+        # The backend wraps the model and builds the optimizer, in the order it needs (a wrapper of its own is
+        # remembered: is_backend_wrapper, user_model); transformers then finds the model wrapped and prepares only the
+        # optimizer. None: accelerate wraps it (DDP).
+        wrapped, self.optimizer = self.backend.setup_model_and_optimizer(self, model,
+                                                                          OptimizerRecipe(self._optimizer_parts))
+        if wrapped is not None and wrapped is not model:
+            self._backend_wrapper = (wrapped, model)
+            internals.set_wrapped_model(self, wrapped)
+        return self.optimizer
+
+    def _optimizer_parts(self, model):
+        """The optimizer over `model`'s parameters (the backend's shards, where it wrapped first): (parameter groups,
+        class, keyword arguments). --optim picks the class and its options as in the Trainer (transformers 5's
+        default, adamw_torch_fused, is torch's fused AdamW: measured 0.87x the stock Trainer's samples/s with the
+        for-loop AdamW on 2 CPU ranks); the settings give the hyperparameters the class takes."""
         settings = self.optimizer_settings
         decay = set(self.get_decay_parameter_names(model))
         groups = [
@@ -311,38 +324,18 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
             {"params": [p for n, p in model.named_parameters() if n not in decay and p.requires_grad],
              "weight_decay": 0.0},
         ]
-        # --optim picks the class and its options as in the Trainer (transformers 5's default, adamw_torch_fused,
-        # is torch's fused AdamW: measured 0.87x the stock Trainer's samples/s with the for-loop AdamW on 2 CPU
-        # ranks); the settings give the hyperparameters the class takes.
         optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, model)
         kwargs.update({key: value for key, value in (("lr", settings.lr), ("betas", settings.betas),
                                                      ("eps", settings.eps)) if key in kwargs or key == "lr"})
-        self.optimizer = (self.backend.build_optimizer(self, groups, optimizer_cls, kwargs)
-                          or optimizer_cls(groups, **kwargs))
-        if not self.backend.wraps_before_optimizer:
-            # A backend whose wrapper needs the optimizer: transformers then finds the model wrapped and prepares only
-            # the optimizer; None lets accelerate wrap it (DDP).
-            wrapped = self._wrap_by_backend(model)
-            if wrapped is not model:
-                internals.set_wrapped_model(self, wrapped)
-        return self.optimizer
-
-    def _wrap_by_backend(self, model):
-        """The model as the backend wraps it for training (itself where accelerate is to wrap it); a wrapper of its own
-        is remembered (is_backend_wrapper, user_model)."""
-        wrapped = self.backend.wrap_model(self, model)
-        if wrapped is None or wrapped is model:
-            return model
-        self._backend_wrapper = (wrapped, model)
-        return wrapped
+        return groups, optimizer_cls, kwargs
 
     def is_backend_wrapper(self, model) -> bool:
-        """Whether `model` is the backend's own wrapper (what its wrap_model returned)."""
+        """Whether `model` is the backend's own wrapper (what its setup_model_and_optimizer returned)."""
         return self._backend_wrapper is not None and model is self._backend_wrapper[0]
 
     def user_model(self, model=None):
         """The user's model (default: the trainer's) inside whatever trains it: accelerate's wrappers (DDP, a DeepSpeed
-        engine) and the backend's own, which is what its wrap_model returned around it; None without a model."""
+        engine) and the backend's own, which is what its setup_model_and_optimizer returned around it; None without a model."""
         model = self.model if model is None else model
         if model is None:
             return None

@@ -1,6 +1,6 @@
 """The Backend interface: a backend's runtime, as ExtTrainer, the process set-up and the checkpoint code ask for it (the
 shape of Lightning's `Strategy`); none of them names a backend. Moments 2 and 3 of a backend: preparing the process
-(and the model's context), then the trainer's hooks (optimizer, wrapping, resume, clipping, saving, evaluation,
+(and the model's context), then the trainer's hooks (model and optimizer, resume, clipping, saving, evaluation,
 teardown). Moment 1, settling its flags, is its pure half: spec.py's BackendSpec. A backend module imports torch and
 its library only when a method runs, so the registry (backends/__init__.py) and the planner read every backend on a
 machine without them."""
@@ -34,6 +34,18 @@ class ResolvedSettings:
     def write(self, output_dir) -> None:
         for name, content in self.files.items():
             (Path(output_dir) / name).write_text(json.dumps(content, indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class OptimizerRecipe:
+    """How ExtTrainer builds the optimizer over a module (--optim's class and options, its rates and weight decay, as
+    the Trainer chooses them): `parts(module)` gives (parameter groups, optimizer class, its keyword arguments), for a
+    backend that builds it otherwise (FairScale's OSS), and `build(module)` the optimizer itself."""
+    parts: Callable
+
+    def build(self, module):
+        groups, optimizer_cls, kwargs = self.parts(module)
+        return optimizer_cls(groups, **kwargs)
 
 
 class Backend(BackendSpec):
@@ -80,16 +92,14 @@ class Backend(BackendSpec):
         """At the start of train(), once the checkpoint to resume (or None) is chosen, before transformers prepares
         anything."""
 
-    def build_optimizer(self, trainer, param_groups, optimizer_cls, kwargs):
-        """The optimizer over these parameter groups; None: the plain `optimizer_cls`."""
-        return None
-
-    def wrap_model(self, trainer, model):
-        """The model wrapped for training (called once the optimizer exists, or before it with
-        wraps_before_optimizer); None: accelerate wraps it (DDP). A wrapper that is a new object is trained through
-        as it is: transformers then prepares only the optimizer, and ExtTrainer finds the user's model in it as the
-        one it handed over (ExtTrainer.user_model)."""
-        return None
+    def setup_model_and_optimizer(self, trainer, model, optimizer: OptimizerRecipe):
+        """The model wrapped for training and its optimizer, in the order the backend needs (Lightning Fabric's
+        `setup_module_and_optimizers`): a backend that shards parameters wraps first and builds the optimizer on the
+        shards; one whose wrapper takes the optimizer builds it first. `optimizer` builds --optim's class over a
+        module's parameters (OptimizerRecipe). Returns (wrapper, optimizer); wrapper None: accelerate wraps the model
+        (DDP). A wrapper that is a new object is trained through as it is: transformers then prepares only the
+        optimizer, and ExtTrainer finds the user's model in it as the one it handed over (ExtTrainer.user_model)."""
+        return None, optimizer.build(model)
 
     def clip_grad_norm(self, trainer, model, max_norm: float):
         """The pre-clip total norm after clipping; None: transformers clips."""
@@ -125,4 +135,4 @@ class Backend(BackendSpec):
         return None
 
 
-__all__ = ["Backend", "BackendFormula", "BackendSpec", "ResolvedSettings", "RunSettings"]
+__all__ = ["Backend", "BackendFormula", "BackendSpec", "OptimizerRecipe", "ResolvedSettings", "RunSettings"]

@@ -83,34 +83,38 @@ class FairScaleBackend(Backend):
         super().__init__(args)
         self.options = list(getattr(args, "sharded_ddp", None) or [])
         self.fully_sharded = "zero_dp_2" in self.options or "zero_dp_3" in self.options
-        self.wraps_before_optimizer = self.fully_sharded  # FSDP: the optimizer is built on its shards
         self.offload = "offload" in self.options
 
     def settings(self) -> ResolvedSettings:
         return ResolvedSettings(f"fairscale --sharded_ddp {' '.join(self.options)}")
 
-    # -- optimizer -------------------------------------------------------------------------------------
-    def build_optimizer(self, trainer, param_groups, optimizer_cls, kwargs):
+    # -- model and optimizer -----------------------------------------------------------------------------
+    def setup_model_and_optimizer(self, trainer, model, optimizer):
+        """`simple`: OSS (the optimizer state sharded) built first, which ShardedDataParallel takes. zero_dp_2/3:
+        FullyShardedDataParallel first, the optimizer built on its flat shards."""
         if trainer.args.fp16:
             from fairscale.optim.grad_scaler import ShardedGradScaler
 
             # inf checks and unscaling must see every shard, not only this rank's (before accelerate takes the scaler)
             internals.set_grad_scaler(trainer, ShardedGradScaler())
         if self.fully_sharded:
-            kwargs = optimizer_kwargs_for_scaler(kwargs, trainer.args, self.options)
-            optimizer = optimizer_cls(param_groups, **kwargs)
+            wrapped = self.wrap(trainer, model)
+            groups, optimizer_cls, kwargs = optimizer.parts(wrapped)
+            built = optimizer_cls(groups, **optimizer_kwargs_for_scaler(kwargs, trainer.args, self.options))
             if trainer.args.fp16 or trainer.args.bf16:
-                optimizer.register_step_pre_hook(grads_in_parameter_dtype)
-            return optimizer
+                built.register_step_pre_hook(grads_in_parameter_dtype)
+            return wrapped, built
         from fairscale.optim import OSS
 
         # Prepared here, without device placement: accelerate moves an optimizer's state by reading state_dict(),
         # which OSS refuses before consolidation; transformers' own prepare call then leaves it as it is.
-        return trainer.accelerator.prepare(OSS(params=param_groups, optim=optimizer_cls, **kwargs),
-                                           device_placement=[False])
+        groups, optimizer_cls, kwargs = optimizer.parts(model)
+        built = trainer.accelerator.prepare(OSS(params=groups, optim=optimizer_cls, **kwargs), device_placement=[False])
+        return self.wrap(trainer, model, built), built
 
-    # -- model -----------------------------------------------------------------------------------------
-    def wrap_model(self, trainer, model):
+    def wrap(self, trainer, model, oss=None):
+        """The model in ShardedDataParallel over the OSS optimizer `oss` (`simple`), else in FullyShardedDataParallel
+        (once: a later train() finds it wrapped)."""
         from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
 
         if isinstance(model, (ShardedDataParallel, FullyShardedDataParallel)):
@@ -120,7 +124,7 @@ class FairScaleBackend(Backend):
         # autocast (and --torch_compile) is applied; accelerate wraps nothing in evaluation mode.
         model = trainer.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
         if not self.fully_sharded:
-            return ShardedDataParallel(model, sharded_optimizer=sharded_optimizer(trainer.optimizer))
+            return ShardedDataParallel(model, sharded_optimizer=sharded_optimizer(oss))
         if self.offload and any(p.device.type != "cpu" for p in model.parameters()):
             model = model.to("cpu")  # FSDP keeps the fp32 shards where it finds them; offload asserts the CPU
         return FullyShardedDataParallel(model, **fsdp_settings(self.options, trainer.args))

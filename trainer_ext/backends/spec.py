@@ -24,8 +24,6 @@ class BackendSpec:
     flags: type | None = None
     library: str | None = None  # the module this backend needs installed, and how to install it
     install = ""
-    # Parameter sharding: the model is wrapped before the optimizer, which is built on the shards.
-    wraps_before_optimizer = False
     # Its engine steps the optimizer and scheduler inside backward, before transformers reads the rate the step used:
     # ExtTrainer logs the rate the optimizer held before the step instead.
     steps_in_backward = False

@@ -21,13 +21,13 @@ class NoSyncEveryOtherStep(Backend):
         super().__init__(args)
         self.allreduces = 0
 
-    def wrap_model(self, trainer, model):
+    def setup_model_and_optimizer(self, trainer, model, optimizer):
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.nn.parallel import DistributedDataParallel
 
         if not dist.is_initialized():
-            return None  # one process: nothing to synchronise
+            return None, optimizer.build(model)  # one process: nothing to synchronise
 
         def counted(state, bucket):
             if bucket.index() == 0:
@@ -36,7 +36,7 @@ class NoSyncEveryOtherStep(Backend):
 
         wrapped = DistributedDataParallel(model)
         wrapped.register_comm_hook(None, counted)
-        return wrapped
+        return wrapped, optimizer.build(model)
 
     def callbacks(self, trainer) -> list:
         backend = self

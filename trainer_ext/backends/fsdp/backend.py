@@ -25,7 +25,6 @@ class FSDPBackend(Backend):
     name = "fsdp"
     flag = "fsdp"
     owned_flags = ("fsdp", "fsdp_config")
-    wraps_before_optimizer = True  # the optimizer is built on the shards fully_shard creates
     needs_process_group = True  # fully_shard needs a process group, also for one process
     checkpoint_state = (SHARDS,)
     optimizer_state = checkpoint_state
@@ -115,12 +114,26 @@ class FSDPBackend(Backend):
         self.optimizer_file = None  # what transformers' optimizer file holds (OptimizerFile)
 
     # -- model and optimizer ---------------------------------------------------------------------------------------
-    def wrap_model(self, trainer, model):
+    def setup_model_and_optimizer(self, trainer, model, optimizer):
+        """The model sharded first; the optimizer built on the shards fully_shard made (DTensor parameters)."""
+        from torch.distributed.tensor import DTensor
+
+        wrapper = self.shard_model(trainer, model)
+        groups, optimizer_cls, kwargs = optimizer.parts(wrapper)
+        if not all(isinstance(p, DTensor) for group in groups for p in group["params"]):
+            raise RuntimeError("FSDP2: the optimizer would step gathered parameters, not the shards fully_shard made")
+        self.optimizer = optimizer_cls(groups, **kwargs)
+        self.optimizer_file = OptimizerFile(self.optimizer)
+        return wrapper, self.optimizer
+
+    def shard_model(self, trainer, model):
+        """fully_shard applied to the model (once: a later train() finds it sharded), and the object to train
+        through."""
         from torch.distributed.fsdp import FSDPModule
 
         if getattr(model, "wraps_fully_sharded", False):
             return model
-        if not isinstance(model, FSDPModule):  # (a later train() finds it sharded already)
+        if not isinstance(model, FSDPModule):
             shard(model, self.resolved, trainer.args)
             # autocast under --bf16/--fp16 as DDP runs it (softmax, norms, losses in fp32), over the policy's
             # 16-bit parameters; accelerate wraps nothing in evaluation mode.
@@ -135,21 +148,12 @@ class FSDPBackend(Backend):
         # Evaluating before training under partitioned loading: the other ranks' models are still empty, so the model
         # is sharded (and filled from rank 0) now; training then finds it sharded.
         if self.model is None and partitioned_loading(trainer.args):
-            self.wrap_model(trainer, trainer.model)
+            self.shard_model(trainer, trainer.model)
         try:
             yield None
         finally:
             if self.model is not None:
                 reshard(self.model)
-
-    def build_optimizer(self, trainer, param_groups, optimizer_cls, kwargs):
-        from torch.distributed.tensor import DTensor
-
-        if not all(isinstance(p, DTensor) for group in param_groups for p in group["params"]):
-            raise RuntimeError("FSDP2: the optimizer would step gathered parameters, not the shards fully_shard made")
-        self.optimizer = optimizer_cls(param_groups, **kwargs)
-        self.optimizer_file = OptimizerFile(self.optimizer)
-        return self.optimizer
 
     # -- steps -----------------------------------------------------------------------------------------------------
     def clip_grad_norm(self, trainer, model, max_norm: float):
