@@ -203,7 +203,7 @@ def search(argv: list[str]) -> int:
         print("each trial:", *launcher.command(), "train", experiment, *shown_flags(flags), "--output_dir",
               f"{settings.study_dir}/trial-N", "--FIELD VALUE ...")
         return 0
-    return Search(settings, experiment, flags, launcher, args.keep_checkpoints, result["deepspeed"],
+    return Search(settings, experiment, flags, launcher, args.keep_checkpoints, result["configs"],
                   result["checkpoint_uri"], result["storage_options"]).run()
 
 

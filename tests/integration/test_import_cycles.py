@@ -137,6 +137,52 @@ def test_no_import_runs_back_up_the_floors():
     assert back_up({"trainer_ext.config.x": {"trainer_ext.tasks.y"}}) == {("trainer_ext.config.x", "trainer_ext.tasks.y")}
 
 
+# The modules outside backends/ whose code (not their prose) names a backend's library, with why; the list only
+# shrinks. The translator (deepspeed_config/) is DeepSpeed's by definition, integrations/ is the door to upstream.
+NAMES_A_BACKEND = {
+    "trainer_ext.cli": "the DeepSpeed tools: `trainer-ext ds-config` (the translator's explain, the resolved config) "
+                       "and `trainer-ext build-ops`",
+    "trainer_ext.experiment": "an experiment file's deepspeed section: its paths resolved against the file, the "
+                              "translator's error said as the file's",
+    "trainer_ext.tasks.causal_lm": "QLoRA places the 4-bit model on the rank's device except under ZeRO-3 "
+                                   "(transformers' public is_deepspeed_zero3_enabled)",
+    "trainer_ext.environment.launcher": "check_fp16_device's message says when fp16 came from a DeepSpeed file",
+}
+LIBRARIES = ("deepspeed", "fairscale")
+
+
+def names_a_backend(path: Path) -> bool:
+    """Whether the module's code names DeepSpeed or FairScale: an import, a name, an attribute or an argument."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            words = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            words = [node.module or "", *(alias.name for alias in node.names)]
+        elif isinstance(node, ast.Name):
+            words = [node.id]
+        elif isinstance(node, ast.Attribute):
+            words = [node.attr]
+        elif isinstance(node, ast.arg):
+            words = [node.arg]
+        else:
+            continue
+        if any(library in word.lower() for word in words for library in LIBRARIES):
+            return True
+    return False
+
+
+def test_backend_knowledge_stays_in_backends():
+    """A backend is its folder: the search reaches into a backend's config through its `config_keys`, SageMaker and
+    the checkpoints read its attributes. Fails naming a module outside backends/ that names DeepSpeed or FairScale in
+    its code and is not in NAMES_A_BACKEND with its reason, or an entry that no longer does (issue 46: search/space.py,
+    search/check.py and search/runner.py did)."""
+    outside = {module for module, path in module_names().items()
+               if module.split(".")[1:2] not in (["backends"], ["deepspeed_config"], ["integrations"])
+               and names_a_backend(path)}
+    assert sorted(outside - set(NAMES_A_BACKEND)) == [], "backend knowledge outside backends/"
+    assert sorted(set(NAMES_A_BACKEND) - outside) == [], "no longer names a backend: drop it from NAMES_A_BACKEND"
+
+
 @pytest.mark.launch
 def test_every_module_imports_alone():
     """A module that works only when another was imported before it: each is imported first, in a fresh state."""

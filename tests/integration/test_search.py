@@ -182,7 +182,7 @@ def test_the_shipped_search_section_is_valid():
     problems = []
     settings = read_search(values["search"], "classification.yaml: search",
                            flag_types(argument_classes("classification")), metrics=("loss", "accuracy"),
-                           has_deepspeed=True, problems=problems)
+                           configs=("deepspeed",), problems=problems)
     assert problems == [] and settings.metric == "eval_accuracy" and settings.direction == "maximize"
     assert settings.pruner == {"type": "hyperband"} and "deepspeed.zero_optimization.stage" in settings.space
 
@@ -201,7 +201,7 @@ def test_a_bad_search_section_is_named_line_by_line():
                          "lr_scheduler_type": ["linear", "cosinus"], "output_dir": ["a", "b"]}}
     problems = []
     read_search(section, "exp.yaml: search", flag_types(argument_classes("classification")),
-                metrics=("loss", "accuracy"), has_deepspeed=True, problems=problems)
+                metrics=("loss", "accuracy"), configs=("deepspeed",), problems=problems)
     where = "exp.yaml: search.space:"
     assert problems[:10] == [
         "exp.yaml: search: unknown key 'metrc' (did you mean 'metric'?)",

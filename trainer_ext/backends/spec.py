@@ -44,6 +44,9 @@ class BackendSpec:
 
     # The selecting flag is a list of option words (`--sharded_ddp "zero_dp_2 offload"`), shown with it in messages.
     flag_takes_options = False
+    # The selecting flag takes a config (a file or inline JSON) whose keys a search space reaches as `<flag>.<path>`
+    # (ConfigKeys, below); None: nothing inside it to search.
+    config_keys: ConfigKeys | None = None
 
     # -- moment 1, settle: the arguments (before any trainer exists) --------------------------------------------------
     @classmethod
@@ -81,6 +84,17 @@ class BackendSpec:
             "model_type": getattr(config, "model_type", None),
             "num_parameters": sum(p.numel() for p in module.parameters()),
         }
+
+
+@dataclass(frozen=True)
+class ConfigKeys:
+    """A backend config's keys as a search space reaches them (`deepspeed.zero_optimization.stage`): `problems(path)`,
+    one line per problem with a dotted path inside the config (naming the closest valid key); `load(value)`, the config
+    a value of the selecting flag stands for (a file, a preset's name, inline JSON) as a dict, raising `error` for a bad
+    one."""
+    problems: Callable[[str], list[str]]
+    load: Callable[[Any], dict]
+    error: type[Exception]
 
 
 @dataclass(frozen=True)

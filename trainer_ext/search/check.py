@@ -12,18 +12,18 @@ import sys
 from importlib import import_module
 from pathlib import Path
 
-from .space import BACKEND, SearchSettings, flag_word, read_search, trial_flags
+from .space import SearchSettings, flag_word, inside_config, read_search, searchable_configs, trial_flags
 
 
 def check(experiment_path: str, flags: list[str], overrides: dict) -> dict:
-    """-> {"problems": [...], "warnings": [...], "settings": SearchSettings as a dict or None, "deepspeed": the
-    experiment's DeepSpeed config as given, "checkpoint_uri" and "storage_options": the experiment's}."""
-    from ..deepspeed_config import DeepSpeedConfigError
+    """-> {"problems": [...], "warnings": [...], "settings": SearchSettings as a dict or None, "configs": the
+    experiment's backend configs as given ({"deepspeed": its value}), "checkpoint_uri" and "storage_options": the
+    experiment's}."""
     from ..experiment import ExperimentError, argument_classes, flag_types, load_experiment, read
     from ..tasks import TASKS
 
     problems: list[str] = []
-    result = {"problems": problems, "warnings": [], "settings": None, "deepspeed": None, "checkpoint_uri": None,
+    result = {"problems": problems, "warnings": [], "settings": None, "configs": {}, "checkpoint_uri": None,
               "storage_options": None}
     experiment = None
     try:
@@ -45,10 +45,12 @@ def check(experiment_path: str, flags: list[str], overrides: dict) -> dict:
                         "space: {learning_rate: {type: log_float, low: 1.0e-5, high: 1.0e-3}}}")
         return result
     given = experiment.given if experiment else {}
+    keys = searchable_configs()
+    configs = {flag: (given if experiment else values).get(flag) for flag in keys}
     output_dir = experiment.training_args.output_dir if experiment else "."
     settings = read_search(values["search"], f"{name}: search", flag_types(argument_classes(values["task"])),
                            metrics=getattr(import_module(TASKS[values["task"]]), "EVAL_METRICS", None),
-                           has_deepspeed=bool(given.get("deepspeed") if experiment else values.get("deepspeed")),
+                           configs=[flag for flag, value in configs.items() if value],
                            study_name=Path(name).stem, study_dir=os.path.join(output_dir, "search"), folder=folder,
                            problems=problems)
     if experiment is None:
@@ -60,7 +62,7 @@ def check(experiment_path: str, flags: list[str], overrides: dict) -> dict:
     _resolve_paths(settings, folder)
     problems += _requirements(settings, experiment, flags, f"{name}: ", result["warnings"])
     database = _database(settings, f"{name}: ", result["warnings"])  # said last, after the values' problems
-    result.update(deepspeed=given.get("deepspeed"), checkpoint_uri=given.get("checkpoint_uri"),
+    result.update(configs={flag: value for flag, value in configs.items() if value}, checkpoint_uri=given.get("checkpoint_uri"),
                   storage_options=getattr(experiment.training_args, "checkpoint_storage_options", None) or None)
     if problems:
         problems += database
@@ -68,13 +70,13 @@ def check(experiment_path: str, flags: list[str], overrides: dict) -> dict:
     for key, param in settings.space.items():
         for value in param.values_to_check():
             params = {key: value}
-            if key.startswith(BACKEND) and "deepspeed" in settings.space:
-                params["deepspeed"] = settings.space["deepspeed"].choices[0]
+            if (inside := inside_config(key)) is not None and inside[0] in settings.space:
+                params[inside[0]] = settings.space[inside[0]].choices[0]
             try:
                 argv = [*flags, "--output_dir", os.path.join(settings.study_dir, "trial-0"),
-                        *trial_flags(params, result["deepspeed"])]
+                        *trial_flags(params, result["configs"])]
                 load_experiment(experiment_path, argv)
-            except (ExperimentError, DeepSpeedConfigError) as err:
+            except (ExperimentError, *(config.error for config in keys.values())) as err:
                 problems += [f"{name}: search.space: {key} = {flag_word(value)}: {line}" for line in _lines(err, name)]
     problems += database
     result["settings"] = settings.to_dict()
@@ -133,7 +135,7 @@ def _requirements(settings: SearchSettings, experiment, flags: list[str], name: 
                         "(or epoch)")
     for key in settings.space:
         flag = f"--{key}"
-        if not key.startswith(BACKEND) and any(word == flag or word.startswith(flag + "=") for word in flags):
+        if inside_config(key) is None and any(word == flag or word.startswith(flag + "=") for word in flags):
             problems.append(f"{name}search.space: {key}: searched, and also given as {flag} on the command line: "
                             "drop one")
     if args.fresh_start:

@@ -51,10 +51,11 @@ class Trial:
 
 class Search:
     def __init__(self, settings: SearchSettings, experiment: str, flags: list[str], launcher: Launcher,
-                 keep_checkpoints: bool = False, deepspeed=None, checkpoint_uri: str | None = None,
+                 keep_checkpoints: bool = False, configs: dict | None = None, checkpoint_uri: str | None = None,
                  storage_options: dict | None = None):
         self.settings, self.experiment, self.flags, self.launcher = settings, experiment, flags, launcher
-        self.keep_checkpoints, self.deepspeed, self.checkpoint_uri = keep_checkpoints, deepspeed, checkpoint_uri
+        self.keep_checkpoints, self.checkpoint_uri = keep_checkpoints, checkpoint_uri
+        self.configs = configs or {}  # the experiment's backend configs, which <flag>.<path> values are set inside
         self.storage_options = storage_options  # --checkpoint_storage_options, to reach the remote copies
         self.study_dir = Path(settings.study_dir)
         self.me = this_worker(self.study_dir)
@@ -227,7 +228,7 @@ class Search:
         trial_dir = self.study_dir / f"trial-{trial.folder}"
         trial_dir.mkdir(parents=True, exist_ok=True)
         attrs = self.database.get_trial(trial.id).user_attrs
-        flags = [*self.flags, "--output_dir", str(trial_dir), *trial_flags(trial.params, self.deepspeed)]
+        flags = [*self.flags, "--output_dir", str(trial_dir), *trial_flags(trial.params, self.configs)]
         remote = attrs.get("checkpoint_uri") or (self.checkpoint_uri and
                                                   f"{self.checkpoint_uri.rstrip('/')}/trial-{trial.folder}")
         if remote:  # the copy other workers continue the trial from: the first run's, whatever this worker's flags

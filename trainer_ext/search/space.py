@@ -1,5 +1,5 @@
 """The `search` section of an experiment file read whole: the space (float, log_float, int or categorical ranges over
-any flag of `trainer-ext train`, or deepspeed.<path> inside the backend's config), the metric and its direction, how
+any flag of `trainer-ext train`, or <flag>.<path> inside a backend's config: deepspeed.zero_optimization.stage), the metric and its direction, how
 many trials and how many at a time, the sampler, the pruner and where the study lives; each problem is one line with
 the closest valid key. Pure apart from Optuna, which names the sampler's and pruner's own options."""
 
@@ -9,9 +9,10 @@ import copy
 import dataclasses
 import json
 import math
-from typing import Any
+from typing import Any, Collection
 
-from ..deepspeed_config import KNOWN_TOP_LEVEL_KEYS, SECTION_KEYS, load_deepspeed_config
+from ..backends import backend_classes
+from ..backends.spec import ConfigKeys
 from ..experiment import OPTIMIZER_FIELDS, SCHEDULER_FIELDS, check_keys, as_mapping
 from ..config.values import WrongType, did_you_mean, read_as
 
@@ -21,7 +22,6 @@ TYPES = {"float": ("low", "high", "step"), "log_float": ("low", "high"), "int": 
          "categorical": ("choices",)}
 KEYS_OF_A_PARAM = ("type", "low", "high", "step", "choices")
 DIRECTIONS = ("maximize", "minimize")
-BACKEND = "deepspeed."  # deepspeed.zero_optimization.stage: a key inside the experiment's DeepSpeed config
 # The search gives each trial these itself, or they would start an interrupted trial over.
 NOT_SEARCHED = {"output_dir": "each trial trains in <study_dir>/trial-N",
                 "fresh_start": "an interrupted trial must resume from its checkpoint",
@@ -88,14 +88,28 @@ class SearchSettings:
         return cls(**{**values, "space": {name: Param(**param) for name, param in values["space"].items()}})
 
 
-def read_search(section, where: str, types: dict, *, metrics=None, has_deepspeed: bool = False,
+def searchable_configs() -> dict[str, ConfigKeys]:
+    """{selecting flag: its config's keys} of the backends whose config a search space reaches into (`<flag>.<path>`:
+    deepspeed.zero_optimization.stage)."""
+    return {cls.flag: cls.config_keys for cls in backend_classes() if cls.config_keys is not None}
+
+
+def inside_config(name: str) -> tuple[str, str] | None:
+    """`deepspeed.zero_optimization.stage` -> ("deepspeed", "zero_optimization.stage"): a key inside the config of the
+    backend whose flag the name starts with; None for any other name."""
+    flag, dot, path = name.partition(".")
+    return (flag, path) if dot and flag in searchable_configs() else None
+
+
+def read_search(section, where: str, types: dict, *, metrics=None, configs: Collection[str] = (),
                 study_name: str = "search", study_dir: str = "search", folder=None,
                 problems: list[str]) -> SearchSettings:
     """`section` -> SearchSettings, adding one line per problem to `problems` (the settings then hold what could be
     read, for the checks that look at the rest of the file).
 
     types: field -> (type, choices) of every flag a trial can be given; metrics: the task's evaluation metrics
-    (None: any name); study_dir: the default, used when the section names none (relative to `folder` when it does)."""
+    (None: any name); configs: the backend flags whose config the experiment gives (its deepspeed section or
+    --deepspeed), which <flag>.<path> keys need; study_dir: the default, used when the section names none (relative to `folder` when it does)."""
     start = len(problems)
     section = as_mapping(section, where, problems)
     check_keys(section, KEYS, where, problems)
@@ -106,10 +120,11 @@ def read_search(section, where: str, types: dict, *, metrics=None, has_deepspeed
     elif "space" not in section:
         problems.append(f"{where}: no space: give the hyperparameters to search, e.g. "
                         "space: {learning_rate: {type: log_float, low: 1.0e-5, high: 1.0e-3}}")
-    needs_backend = sorted(name for name in space if name.startswith(BACKEND))
-    if needs_backend and not has_deepspeed and "deepspeed" not in space:
-        problems.append(f"{where}.space: {needs_backend[0]}: the experiment has no deepspeed backend (add a deepspeed "
-                        "section, pass --deepspeed, or search `deepspeed` itself)")
+    for flag in sorted({inside[0] for name in space if (inside := inside_config(name)) is not None}):
+        if flag not in configs and flag not in space:
+            first = min(name for name in space if name.startswith(f"{flag}."))
+            problems.append(f"{where}.space: {first}: the experiment has no {flag} backend (add a {flag} section, "
+                            f"pass --{flag}, or search `{flag}` itself)")
     metric = _metric(section.get("metric", "loss"), metrics, f"{where}: metric", problems)
     direction = section.get("direction", "minimize" if metric.endswith("loss") else "maximize")
     if direction not in DIRECTIONS:
@@ -142,23 +157,28 @@ def read_search(section, where: str, types: dict, *, metrics=None, has_deepspeed
                           storage=texts["storage"], sampler=sampler, pruner=pruner, **counts, **timing)
 
 
-def trial_flags(params: dict[str, Any], deepspeed=None) -> list[str]:
-    """A trial's values -> the flags `trainer-ext train` takes; deepspeed.<path> values are set inside the experiment's
-    DeepSpeed config (or the searched `deepspeed`), given whole as inline JSON."""
-    flags: list[str] = []
-    inside = {name[len(BACKEND):]: value for name, value in params.items() if name.startswith(BACKEND)}
+def trial_flags(params: dict[str, Any], configs: dict | None = None) -> list[str]:
+    """A trial's values -> the flags `trainer-ext train` takes; <flag>.<path> values are set inside the experiment's
+    config for that backend flag (`configs`: flag -> its value in the experiment; or the searched flag itself), given
+    whole as inline JSON (deepspeed.zero_optimization.stage -> --deepspeed '{"zero_optimization": {"stage": 3}, ...}')."""
+    inside: dict[str, dict[str, Any]] = {}
     for name, value in params.items():
-        if not name.startswith(BACKEND) and not (name == "deepspeed" and inside):
+        if (key := inside_config(name)) is not None:
+            inside.setdefault(key[0], {})[key[1]] = value
+    flags: list[str] = []
+    for name, value in params.items():
+        if inside_config(name) is None and name not in inside:
             flags += [f"--{name}", flag_word(value)]
-    if inside:
-        config, _ = load_deepspeed_config(params.get("deepspeed", deepspeed))
-        for path, value in inside.items():
+    keys = searchable_configs()
+    for flag, values in inside.items():
+        config = keys[flag].load(params.get(flag, (configs or {}).get(flag)))
+        for path, value in values.items():
             *parents, last = path.split(".")
             node = config
             for key in parents:
                 node = node.setdefault(key, {})
             node[last] = value
-        flags += ["--deepspeed", json.dumps(config)]
+        flags += [f"--{flag}", json.dumps(config)]
     return flags
 
 
@@ -173,12 +193,12 @@ def _param(name: str, value, where: str, types: dict, problems: list[str]) -> Pa
     start = len(problems)
     if name in NOT_SEARCHED:
         problems.append(f"{where}: not searchable: {NOT_SEARCHED[name]}")
-    elif name.startswith(BACKEND):
-        _check_backend_path(name[len(BACKEND):], where, problems)
+    elif (inside := inside_config(name)) is not None:
+        problems += [f"{where}: {line}" for line in searchable_configs()[inside[0]].problems(inside[1])]
     elif name not in types:
         alias = ALIASES.get(name.rsplit(".", 1)[-1])
         problems.append(f"{where}: not a flag of the task's model, data or training arguments"
-                        + (f" (did you mean {alias!r}?)" if alias else did_you_mean(name, list(types) + [BACKEND])))
+                        + (f" (did you mean {alias!r}?)" if alias else did_you_mean(name, [*types, *(f"{flag}." for flag in searchable_configs())])))
     if isinstance(value, list):  # [8, 16, 32]: the short form of a categorical
         value = {"type": "categorical", "choices": value}
     value = as_mapping(value, where, problems)
@@ -193,24 +213,10 @@ def _param(name: str, value, where: str, types: dict, problems: list[str]) -> Pa
             problems.append(f"{where}: unknown key {key!r}" + did_you_mean(key, KEYS_OF_A_PARAM))
         elif key != "type" and key not in TYPES[kind]:
             problems.append(f"{where}: {key!r} does not apply to type {kind} (it takes {', '.join(TYPES[kind])})")
-    hint = types.get(name) if not name.startswith(BACKEND) else None
+    hint = types.get(name) if inside_config(name) is None else None
     param = _categorical(value, where, hint, problems) if kind == "categorical" else \
         _range(kind, value, where, hint, problems)
     return param if len(problems) == start else None
-
-
-def _check_backend_path(path: str, where: str, problems: list[str]) -> None:
-    """deepspeed.zero_optimization.stage: the top-level key and, in a ZeRO/fp16/bf16 block, the key inside it."""
-    parts = path.split(".")
-    if not path or not all(parts):
-        problems.append(f"{where}: give a key of the DeepSpeed config after 'deepspeed.', e.g. "
-                        "deepspeed.zero_optimization.stage")
-    elif parts[0] not in KNOWN_TOP_LEVEL_KEYS:
-        problems.append(f"{where}: {parts[0]!r} is not a DeepSpeed config key"
-                        + did_you_mean(parts[0], KNOWN_TOP_LEVEL_KEYS))
-    elif parts[0] in SECTION_KEYS and len(parts) > 1 and parts[1] not in SECTION_KEYS[parts[0]]:
-        problems.append(f"{where}: {parts[1]!r} is not a key of DeepSpeed's {parts[0]}"
-                        + did_you_mean(parts[1], SECTION_KEYS[parts[0]]))
 
 
 def _range(kind: str, value: dict, where: str, hint, problems: list[str]) -> Param | None:

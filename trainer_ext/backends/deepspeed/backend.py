@@ -19,6 +19,7 @@ from ...integrations import internals
 from ..base import Backend, BackendFormula, ResolvedSettings
 from ..spec import COMPUTE, RunSettings, settled_for
 from .leaves import check_granularity
+from .search import CONFIG_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class DeepSpeedBackend(Backend):
     rank_written_state = "each rank's optimizer partition"
     resumes_weights_only = False  # transformers resumes the engine from its own files only
     steps_in_backward = True  # accelerate runs engine.step() (optimizer and scheduler) inside backward
+    config_keys = CONFIG_KEYS  # deepspeed.<path> in a search space
 
     @classmethod
     def settle(cls, args) -> tuple[dict, RunSettings]:
