@@ -198,3 +198,20 @@ def test_the_backend_s_wrapper_and_callbacks_are_handled_by_extrainer(tmp_path, 
     assert built == {id(p) for p in model.parameters()} and trainer.optimizer.defaults["lr"] == trainer.args.learning_rate
     assert trainer.user_model(wrapper) is model and trainer.user_model() is model
     assert trainer._wrap_model(wrapper, training=True) is wrapper
+
+
+def test_a_backend_written_for_the_old_interface_is_refused_where_it_is_defined():
+    """A registered backend still defining wrap_model (the interface before setup_model_and_optimizer) would never
+    have it called: a sharded run training as plain DDP, in silence. Its class definition fails, naming the
+    replacement."""
+    from trainer_ext.backends.base import Backend
+
+    with pytest.raises(TypeError, match=r"\.Old\.wrap_model: the backend interface has no wrap_model any more: "
+                                        r"override setup_model_and_optimizer"):
+        class Old(Backend):
+            def wrap_model(self, trainer, model):
+                return model
+
+    class New(Backend):  # the same backend, written for today's interface
+        def setup_model_and_optimizer(self, trainer, model, optimizer):
+            return model, optimizer.build(model)

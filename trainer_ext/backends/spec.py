@@ -10,11 +10,35 @@ from typing import Any, Callable
 from ..config.values import option_words
 
 
+# Hooks the backend interface no longer has (issue 46's redesign), and what a backend does instead.
+REPLACED_HOOKS = {
+    "build_optimizer": "override setup_model_and_optimizer, which builds the optimizer and wraps the model in the "
+                       "order the backend needs",
+    "wrap_model": "override setup_model_and_optimizer, which wraps the model and builds the optimizer in the order "
+                  "the backend needs",
+    "unwrap": "drop it: ExtTrainer finds the model inside the wrapper setup_model_and_optimizer returns",
+    "on_train_begin": "return a TrainerCallback with its on_train_begin from callbacks(trainer)",
+    "learning_rate_in_use": "set the class attribute steps_in_backward = True",
+    "arguments_for_training": "return those fields from prepare_process",
+    "places_model_on_device": "return RunSettings(place_model_on_device=...) from settle",
+    "selected": "set the class attributes flag (and flag_takes_options)",
+}
+
+
 class BackendSpec:
     """What is known of a backend before anything runs: its flags and their problems, the values it settles from
     them, the planner's memory formulas and the files it keeps in a checkpoint. Class level and pure: the argument
     parser, experiment files, `trainer-ext plan` and the checkpoint code read it with no trainer, process group or
     library. The runtime (base.py's Backend) extends it."""
+
+    def __init_subclass__(cls, **kwargs):
+        # A backend written against an earlier interface would have its method silently never called (a sharded
+        # run training as plain DDP): refused where the class is defined, naming what replaced it.
+        super().__init_subclass__(**kwargs)
+        for name, instead in REPLACED_HOOKS.items():
+            if name in vars(cls):
+                raise TypeError(f"{cls.__module__}.{cls.__qualname__}.{name}: the backend interface has no {name} "
+                                f"any more: {instead} (CONTRIBUTING.md, 'Adding a backend')")
 
     name = "ddp"
     flag: str | None = None  # the argument that selects this backend (None: the default when none is selected)
