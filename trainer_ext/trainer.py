@@ -335,7 +335,8 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
 
     def user_model(self, model=None):
         """The user's model (default: the trainer's) inside whatever trains it: accelerate's wrappers (DDP, a DeepSpeed
-        engine) and the backend's own, which is what its setup_model_and_optimizer returned around it; None without a model."""
+        engine) and the backend's own, which is what its setup_model_and_optimizer returned around it; None without a
+        model."""
         model = self.model if model is None else model
         if model is None:
             return None

@@ -195,7 +195,8 @@ def test_the_backend_s_wrapper_and_callbacks_are_handled_by_extrainer(tmp_path, 
     wrapper = trainer.model_wrapped
     assert isinstance(wrapper, Hidden) and wrapper.kept is model
     built = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
-    assert built == {id(p) for p in model.parameters()} and trainer.optimizer.defaults["lr"] == trainer.args.learning_rate
+    assert built == {id(p) for p in model.parameters()}
+    assert trainer.optimizer.defaults["lr"] == trainer.args.learning_rate
     assert trainer.user_model(wrapper) is model and trainer.user_model() is model
     assert trainer._wrap_model(wrapper, training=True) is wrapper
 

@@ -62,7 +62,8 @@ def check(experiment_path: str, flags: list[str], overrides: dict) -> dict:
     _resolve_paths(settings, folder)
     problems += _requirements(settings, experiment, flags, f"{name}: ", result["warnings"])
     database = _database(settings, f"{name}: ", result["warnings"])  # said last, after the values' problems
-    result.update(configs={flag: value for flag, value in configs.items() if value}, checkpoint_uri=given.get("checkpoint_uri"),
+    result.update(configs={flag: value for flag, value in configs.items() if value},
+                  checkpoint_uri=given.get("checkpoint_uri"),
                   storage_options=getattr(experiment.training_args, "checkpoint_storage_options", None) or None)
     if problems:
         problems += database

@@ -1,7 +1,8 @@
 """The `search` section of an experiment file read whole: the space (float, log_float, int or categorical ranges over
-any flag of `trainer-ext train`, or <flag>.<path> inside a backend's config: deepspeed.zero_optimization.stage), the metric and its direction, how
-many trials and how many at a time, the sampler, the pruner and where the study lives; each problem is one line with
-the closest valid key. Pure apart from Optuna, which names the sampler's and pruner's own options."""
+any flag of `trainer-ext train`, or <flag>.<path> inside a backend's config: deepspeed.zero_optimization.stage), the
+metric and its direction, how many trials and how many at a time, the sampler, the pruner and where the study lives;
+each problem is one line with the closest valid key. Pure apart from Optuna, which names the sampler's and pruner's
+own options."""
 
 from __future__ import annotations
 
@@ -109,7 +110,8 @@ def read_search(section, where: str, types: dict, *, metrics=None, configs: Coll
 
     types: field -> (type, choices) of every flag a trial can be given; metrics: the task's evaluation metrics
     (None: any name); configs: the backend flags whose config the experiment gives (its deepspeed section or
-    --deepspeed), which <flag>.<path> keys need; study_dir: the default, used when the section names none (relative to `folder` when it does)."""
+    --deepspeed), which <flag>.<path> keys need; study_dir: the default, used when the section names none (relative
+    to `folder` when it does)."""
     start = len(problems)
     section = as_mapping(section, where, problems)
     check_keys(section, KEYS, where, problems)
@@ -160,7 +162,8 @@ def read_search(section, where: str, types: dict, *, metrics=None, configs: Coll
 def trial_flags(params: dict[str, Any], configs: dict | None = None) -> list[str]:
     """A trial's values -> the flags `trainer-ext train` takes; <flag>.<path> values are set inside the experiment's
     config for that backend flag (`configs`: flag -> its value in the experiment; or the searched flag itself), given
-    whole as inline JSON (deepspeed.zero_optimization.stage -> --deepspeed '{"zero_optimization": {"stage": 3}, ...}')."""
+    whole as inline JSON (deepspeed.zero_optimization.stage -> --deepspeed '{"zero_optimization": {"stage": 3},
+    ...}')."""
     inside: dict[str, dict[str, Any]] = {}
     for name, value in params.items():
         if (key := inside_config(name)) is not None:
@@ -198,7 +201,8 @@ def _param(name: str, value, where: str, types: dict, problems: list[str]) -> Pa
     elif name not in types:
         alias = ALIASES.get(name.rsplit(".", 1)[-1])
         problems.append(f"{where}: not a flag of the task's model, data or training arguments"
-                        + (f" (did you mean {alias!r}?)" if alias else did_you_mean(name, [*types, *(f"{flag}." for flag in searchable_configs())])))
+                        + (f" (did you mean {alias!r}?)" if alias else
+                           did_you_mean(name, [*types, *(f"{flag}." for flag in searchable_configs())])))
     if isinstance(value, list):  # [8, 16, 32]: the short form of a categorical
         value = {"type": "categorical", "choices": value}
     value = as_mapping(value, where, problems)
