@@ -421,9 +421,12 @@ def profile_difference(folder: Path, steps: int, rows: int = 12) -> list[str]:
 
 
 def origin_of(path: str) -> str:
-    for root in ("site-packages" + os.sep, str(REPO) + os.sep):
-        if root in path:
-            return path.split(root, 1)[1]
+    """`path` from the root it is imported from: the longest sys.path entry (or the repository) holding it, so
+    transformers installed by `pip --target` or on PYTHONPATH is still transformers/trainer.py."""
+    roots = {os.path.join(os.path.abspath(entry), "") for entry in (*sys.path, str(REPO))}
+    for root in sorted(roots, key=len, reverse=True):
+        if path.startswith(root):
+            return path[len(root):]
     return path
 
 

@@ -158,3 +158,17 @@ def test_step_overhead_counts_cuda_syncs_inside_the_counted_steps_only():
     assert "| 1 | stock | 2.0 | 0.0 | 2.0 | 0.0 | 0.0 | 0.0 | 0.5 |" in text
     assert "| 1 | ext | 2.0 | 0.0 | 2.0 | 0.0 | 0.0 | 0.0 | 0.0 |" in text
     assert "**1.010**" in text
+
+
+def test_step_overhead_gives_each_count_to_its_package_wherever_it_is_installed(monkeypatch, tmp_path):
+    """Fails when a count made in transformers installed outside a site-packages folder (`pip install --target`, a
+    GPU machine's PYTHONPATH) is not given to the Trainer's column (the H200 run of 2026-11-28 gave stock's two reads
+    in trainer.py to "other")."""
+    spec = importlib.util.spec_from_file_location("step_overhead", REPO / "benchmarks" / "step_overhead.py")
+    step_overhead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_overhead)
+    site = tmp_path / "gpu-site"
+    monkeypatch.syspath_prepend(str(site))
+    assert step_overhead.origin_of(str(site / "transformers" / "trainer.py")) == "transformers/trainer.py"
+    assert step_overhead.owner(step_overhead.origin_of(str(site / "transformers" / "trainer.py"))) == "Trainer"
+    assert step_overhead.origin_of(str(REPO / "trainer_ext" / "trainer.py")) == "trainer_ext/trainer.py"
