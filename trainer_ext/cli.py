@@ -342,7 +342,7 @@ def build_ops(argv: list[str]) -> int:
                                        "first. Once per environment; they go to $TORCH_EXTENSIONS_DIR, else "
                                        "the environment's own folder (sys.prefix/torch_extensions).")
     parser.add_argument("--only", nargs="+", metavar="OP",
-                        help="build only these (deepspeed_shm_comm, fused_adam, cpu_adam): e.g. cpu_adam when every "
+                        help="build only these (fused_adam, cpu_adam): e.g. cpu_adam when every "
                              "run offloads its optimizer")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("deepspeed") is None:

@@ -174,7 +174,7 @@ def test_build_ops_only_loads_ops_already_built(capsys):
     build only the ops named with --only."""
     from trainer_ext.cli import main
 
-    assert main(["build-ops", "--only", "cpu_adam", "deepspeed_shm_comm"]) == 0
+    assert main(["build-ops", "--only", "cpu_adam"]) == 0
     out = capsys.readouterr().out
-    assert "cpu_adam: built already, loading" in out and "deepspeed_shm_comm: built already, loading" in out
-    assert "the ops named are built" in out and "fused_adam" not in out
+    assert "cpu_adam: built already, loading" in out
+    assert "the ops named are built" in out and "fused_adam" not in out and "deepspeed_shm_comm" not in out

@@ -13,7 +13,8 @@ import pytest
 from conftest import REPO, run
 
 pytestmark = pytest.mark.deepspeed
-CPU_CONFIG = {"zero_optimization": {"stage": 2}}  # on CPU ranks: the shared-memory all-reduce, nothing else
+CPU_CONFIG = {"optimizer": {"type": "AdamW"},  # on CPU ranks: CPU Adam, nothing else
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
 
 
 def test_each_environment_builds_into_its_own_folder(tmp_path, monkeypatch):
@@ -70,7 +71,7 @@ def test_a_build_another_environment_or_ninja_made_is_announced_as_a_rebuild(tmp
     another environment's paths, or whose ninja log another ninja wrote, is not."""
     from trainer_ext.backends.deepspeed import ops
 
-    (builder,) = ops.op_builders(["ShareMemCommBuilder"])
+    (builder,) = ops.op_builders(["CPUAdamBuilder"])
     folder = tmp_path / "shared" / builder.NAME
     write_built_op(folder, builder)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "shared"))
@@ -80,7 +81,7 @@ def test_a_build_another_environment_or_ninja_made_is_announced_as_a_rebuild(tmp
     site_packages = next(path for path in sys.path if path.endswith("site-packages") and path in ours)
     (folder / "build.ninja").write_text(ours.replace(site_packages, "/home/me/other-clone/.venv/lib/site-packages"))
     (said,) = ops.announce_builds(CPU_CONFIG)
-    assert said.startswith(f"DeepSpeed rebuilds its deepspeed_shm_comm op in {folder} before this run trains, about "
+    assert said.startswith(f"DeepSpeed rebuilds its cpu_adam op in {folder} before this run trains, about "
                            "2 min on 2 busy CPU cores, with nothing printed meanwhile: it was built there by another "
                            "environment (of /home/me/other-clone/.venv/lib/site-packages), whose build command names "
                            "its own paths; environments that share a TORCH_EXTENSIONS_DIR rebuild each other's ops")
@@ -101,11 +102,11 @@ def test_an_environment_whose_path_holds_a_space_is_refused_before_a_build(tmp_p
     spaced = tmp_path / "my clone" / ".venv"
     spaced.parent.mkdir()
     spaced.symlink_to(sys.prefix)  # this environment, at a path with a space (its files are found through it)
-    out = run([spaced / "bin" / "python", "-m", "trainer_ext", "build-ops", "--only", "deepspeed_shm_comm"],
+    out = run([spaced / "bin" / "python", "-m", "trainer_ext", "build-ops", "--only", "cpu_adam"],
               env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "empty")}, timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert out.stderr.startswith(
-        f"trainer-ext build-ops: error: DeepSpeed would build its deepspeed_shm_comm op here, and torch links it "
+        f"trainer-ext build-ops: error: DeepSpeed would build its cpu_adam op here, and torch links it "
         f"with {spaced}/lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages/torch/lib unquoted: "
         "its space splits the path (ld: cannot find ...). Create the environment at a path without spaces"), out.stderr
     assert not (tmp_path / "empty").exists()  # nothing built

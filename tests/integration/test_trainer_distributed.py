@@ -33,9 +33,13 @@ def test_same_training_with_accumulation_clipping_and_warmup(accumulate_runs, ba
 
 def test_deepspeed_in_one_process_without_a_launcher(plain_runs, tmp_path):
     """`python run_glue.py --deepspeed ...` with no launcher runs as a 1-rank job (DeepSpeed would look for MPI and
-    die importing mpi4py) and trains exactly like the plain single process."""
-    launch("single", tmp_path / "zero2", *PLAIN, "--per_device_train_batch_size", 16, "--deepspeed", "zero2_minimal")
+    die importing mpi4py) and trains exactly like the plain single process; without DeepSpeed's shared-memory all-reduce
+    of CPU ranks, which its communication backend would build (minutes, once) and load though only tensor-parallel
+    inference calls it (it prints "... deepspeed_shm_comm_op built successfully" when it loads it)."""
+    out = launch("single", tmp_path / "zero2", *PLAIN, "--per_device_train_batch_size", 16, "--deepspeed",
+                 "zero2_minimal")
     assert_same_training(plain_runs / "single", tmp_path / "zero2", STEPS)
+    assert "deepspeed_shm_comm" not in out.stdout + out.stderr
 
 
 def test_zero2_retried_by_auto_find_batch_size_trains_as_the_batch_it_settles_on(tmp_path):

@@ -21,11 +21,10 @@ from .environment import PYTHON, clean_env
 from .shared import say, shared_dir
 
 # `trainer-ext build-ops` itself (what README tells users to run), in a process of its own; the marker file once it
-# succeeded. Only the ops the launched tests load: the CPU all-reduce and CPU Adam (offload), those of them this
-# machine's DeepSpeed offers (a CUDA build has no CPU all-reduce: asking for it stopped the build there). None trains
-# with DeepSpeed's own Adam without offload (FusedAdam, 267 s of a CI run's 2 cores); one that did would build it
-# itself, saying so (ops.announce_builds), and still pass.
-PREBUILT_OPS = ("deepspeed_shm_comm", "cpu_adam")
+# succeeded. The ops the launched tests load, those of them this machine's DeepSpeed offers: FusedAdam (the translator
+# gives every ZeRO run DeepSpeed's AdamW) and CPU Adam (offload). Not the CPU all-reduce, which the DeepSpeed backend
+# keeps from loading (internals.skip_deepspeed_cpu_allreduce_op).
+PREBUILT_OPS = ("fused_adam", "cpu_adam")
 PREBUILD = f"""
 import sys
 from pathlib import Path

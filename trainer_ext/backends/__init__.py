@@ -89,12 +89,14 @@ def settle(args, parsing: bool) -> dict:
     return {**fields, "run_settings": replace(run, backend=cls.name, parsed=parsing)}
 
 
-def import_libraries_quietly() -> None:
+def import_libraries_quietly(selected: type[Backend] | None = None) -> None:
     """The backends' libraries that transformers or accelerate import whenever they are installed, selected or not,
-    imported now without what their import says or sets (DeepSpeed: "Setting accelerator to CPU" and its variables)."""
+    imported now without what their import says or sets (DeepSpeed: "Setting accelerator to CPU" and its variables);
+    before the process group forms, where DeepSpeed trains (`selected`), what its communication backend would load in
+    vain (its CPU all-reduce)."""
     from .deepspeed.ops import import_deepspeed_quietly
 
-    import_deepspeed_quietly()
+    import_deepspeed_quietly(trains=selected is not None and selected.name == "deepspeed")
 
 
 def select_backend(args) -> Backend:

@@ -92,6 +92,7 @@ UPSTREAM = (
     ("torch.distributed.distributed_c10d", "_set_pg_timeout", "method"),
     ("torch._C", "DisableTorchFunctionSubclass", "method"),
     ("deepspeed.runtime.config.DeepSpeedConfig", "_initialize_params", "method"),
+    ("deepspeed.comm.torch.TorchBackend", "__compatible_ops__", "attribute"),
     ("datasets.IterableDataset", "_ex_iterable", "attribute"),
     ("optuna.trial.FrozenTrial", "_trial_id", "attribute"),
     ("optuna.storages._heartbeat", "get_heartbeat_thread", "method"),
@@ -307,6 +308,20 @@ def optuna_heartbeat_thread(trial_id: int, storage):
     from optuna.storages._heartbeat import get_heartbeat_thread
 
     return get_heartbeat_thread(trial_id, storage)
+
+
+# -- DeepSpeed ----------------------------------------------------------------------------------------------------
+def skip_deepspeed_cpu_allreduce_op() -> None:
+    """DeepSpeed's communication backend, formed on CPU ranks, compiles and loads its shared-memory all-reduce
+    (deepspeed/comm/torch.py, build_shm_op), which only tensor-parallel inference calls (inference_all_reduce); the
+    collectives of training go through torch.distributed either way. Marked not compatible, as DeepSpeed itself marks
+    an op this machine cannot build (its `deepspeed.ops.__compatible_ops__`, which build_shm_op reads), it is neither
+    built (151 s of a 2-core CI run's CPU) nor given its /dev/shm buffer (~66 MB a rank). For this process, as
+    DS_ACCELERATOR=cpu is."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 # -- torch.distributed -------------------------------------------------------------------------------------------

@@ -35,10 +35,10 @@ def prepare_process(args) -> None:
     # ExtTrainingArguments did when built; stock TrainingArguments not
     write(args, prepare_sagemaker_arguments(args, rank_written(args)))
     prepare_sagemaker_environment()
-    import_libraries_quietly()
+    backend = backend_class(args)
+    import_libraries_quietly(backend)
     if cpu_ranks(args):
         share_cores_between_cpu_ranks()
-    backend = backend_class(args)
     if backend.needs_process_group:
         form_process_group(args)
     if getattr(args, "global_batch", None) is None:  # stock TrainingArguments: the global batch as parsing settles it

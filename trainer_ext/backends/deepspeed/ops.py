@@ -20,9 +20,11 @@ logger = logging.getLogger(__name__)
 # Seconds each op took to build once in a fresh-clone CI run on 2 busy CPU cores (DeepSpeed 0.19.8, torch 2.13): what
 # the notice before a build quotes. On a GPU machine the CUDA builds were not measured.
 BUILD_SECONDS = {"deepspeed_shm_comm": 131, "fused_adam": 257, "cpu_adam": 140}
-# What `trainer-ext build-ops` builds: the ops a ZeRO run loads on this accelerator, its shared-memory all-reduce (CPU
-# ranks), FusedAdam (the default optimizer) and CPU Adam (offload_optimizer). Builders this accelerator lacks are skipped.
-DEFAULT_BUILDERS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder")
+# What `trainer-ext build-ops` builds: the ops a ZeRO run loads on this accelerator, FusedAdam (the default optimizer)
+# and CPU Adam (offload_optimizer). Builders this accelerator lacks are skipped. Not the shared-memory all-reduce of CPU
+# ranks: only DeepSpeed's tensor-parallel inference calls it, and the DeepSpeed backend keeps it from loading
+# (internals.skip_deepspeed_cpu_allreduce_op).
+DEFAULT_BUILDERS = ("FusedAdamBuilder", "CPUAdamBuilder")
 _ANNOUNCED: set[str] = set()  # ops this process has said it builds
 
 
@@ -48,15 +50,26 @@ def deepspeed_imported():
         _TAKEN_BACK.update({name: value for name, value in added.items() if name != "DS_ACCELERATOR"})
 
 
-def import_deepspeed_quietly() -> None:
-    """Where DeepSpeed is installed but does not train: import it now, as the Trainer's set-up would (accelerate
-    imports it whenever installed), without its "Setting accelerator to CPU" warning and leaving the environment
-    variables as they were (building ExtTrainer changes none)."""
+def import_deepspeed_quietly(trains: bool = False) -> None:
+    """Where DeepSpeed is installed: import it now, as the Trainer's set-up would (accelerate imports it whenever
+    installed), without its "Setting accelerator to CPU" warning and leaving the environment variables as they were
+    (building ExtTrainer changes none). Where it `trains` on CPU ranks, before its communication backend is formed
+    (accelerate forms it with the process group): its shared-memory all-reduce kept from loading, which only
+    tensor-parallel inference calls (minutes of build on a first run, a /dev/shm buffer of ~66 MB a rank)."""
     import importlib.util
 
-    if "deepspeed" not in sys.modules and importlib.util.find_spec("deepspeed") is not None:
+    if importlib.util.find_spec("deepspeed") is None:
+        return
+    if "deepspeed" not in sys.modules:
         with deepspeed_imported():
             import deepspeed  # noqa: F401 (imported for its side effects, under deepspeed_imported)
+    if trains:
+        from ...environment.launcher import accelerator_available
+        from ...integrations import internals
+
+        if not accelerator_available():
+            with deepspeed_imported():
+                internals.skip_deepspeed_cpu_allreduce_op()
 
 
 _TAKEN_BACK: dict[str, str] = {}  # what DeepSpeed's import set and deepspeed_imported took back
@@ -129,14 +142,14 @@ def build_folder(name: str) -> Path:
     return extensions_dir() / name
 
 
-def needed_builders(config: dict, cpu_accelerator: bool) -> list[str]:
-    """DeepSpeed's op builders a run of this resolved config loads (deepspeed/comm/torch.py and the engine's
-    _configure_basic_optimizer): the shared-memory all-reduce on CPU ranks, the optimizer's fused or CPU kernel, and
-    async_io for ZeRO-3's NVMe offload."""
+def needed_builders(config: dict) -> list[str]:
+    """DeepSpeed's op builders a run of this resolved config loads (the engine's _configure_basic_optimizer): the
+    optimizer's fused or CPU kernel, and async_io for ZeRO-3's NVMe offload (on CPU ranks not the shared-memory
+    all-reduce: the backend keeps it from loading)."""
     from ...deepspeed_config.keys import OPTIMIZER_OPS
     from ...deepspeed_config.passes import built_optimizer, nvme_offloads
 
-    builders = ["ShareMemCommBuilder"] if cpu_accelerator else []
+    builders = []
     built = built_optimizer(config)
     if built is not None and built[0] in OPTIMIZER_OPS:
         builders.append(OPTIMIZER_OPS[built[0]])
@@ -266,7 +279,7 @@ def announce_builds(config: dict) -> list[str]:
     from ...errors import main_process
 
     cpu = cpu_accelerator()
-    builds = [(builder, reason) for builder in op_builders(needed_builders(config, cpu))
+    builds = [(builder, reason) for builder in op_builders(needed_builders(config))
               if builder.is_compatible(verbose=False) and (reason := rebuild_reason(builder))]
     check_buildable_here([builder for builder, _ in builds])
     said = []
