@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from .backends import backend_class, flag_classes, missing_library, rank_written, selection_problems, settle
+from .backends import (RunSettings, backend_class, flag_classes, missing_library, rank_written, run_settings,
+                       selection_problems, settle, settle_batch)
 from .checkpoints.format import PATH, CheckpointNotFoundError, resume_request
 from .checkpoints.restarts import resumed_order_state
 from .config import checks
-from .config.batch import batch_fields
+from .config.batch import split_batch
 from .config.checks import (FP16_BACKENDS, FP16_OPT_LEVELS, REPORT_TO_NAMES, hub_problems, package_problems,
                             read_text_flags, shown_storage_options)
 from .config.removed import advice
@@ -142,7 +143,8 @@ class ExtTrainingArguments(*flag_classes(), TrainingArguments):
         if unreached := unreached_fields(cls):
             raise ArgumentsError(unreached)
         self = super().__new__(cls)
-        write(self, {"flags_given": fields_given(cls, args, kwargs)})  # deepspeed_config.flag_given reads it
+        # What the user gave, before anything settles (deepspeed_config.flag_given reads it as `flags_given`).
+        write(self, {"run_settings": RunSettings(flags_given=fields_given(cls, args, kwargs))})
         return self
 
     def __post_init__(self):
@@ -158,7 +160,7 @@ class ExtTrainingArguments(*flag_classes(), TrainingArguments):
         write(self, read_text_flags(self))
         # The global batch over this start's ranks (--global_batch_size, or the resumed run's), before DeepSpeed's
         # translator, transformers and accelerate read the per-device batch and accumulation.
-        write(self, batch_fields(self, launched_world_size(), resumed_order_state(self)))
+        write(self, settle_batch(self, split_batch(self, launched_world_size(), resumed_order_state(self))))
         # The selected backend's settings (DeepSpeed: the config resolved against these flags), handed to it in
         # run_settings.
         write(self, settle(self, parsing=True))
@@ -192,11 +194,16 @@ class ExtTrainingArguments(*flag_classes(), TrainingArguments):
     __repr__ = __str__
 
     @property
+    def flags_given(self) -> frozenset[str] | None:
+        """The fields the user gave (RunSettings.flags_given): a flag typed at its default still beats a DeepSpeed
+        file."""
+        return run_settings(self).flags_given
+
+    @property
     def place_model_on_device(self):
         # transformers' hook for integrations: the backend may need the model where it was built (offload), as it
         # settled (RunSettings).
-        run = getattr(self, "run_settings", None)  # None: while transformers' own __post_init__ runs
-        decided = run.place_model_on_device if run is not None else None
+        decided = run_settings(self).place_model_on_device  # None: while transformers' own __post_init__ runs
         return decided if decided is not None else super().place_model_on_device
 
     def check_output_dir(self) -> None:

@@ -37,7 +37,7 @@ commands:
 
 def ds_config(argv: list[str]) -> int:
     from .backends.deepspeed.backend import resolve_checked
-    from .config.batch import batch_fields
+    from .config.batch import split_batch
     from .environment.launcher import launched_world_size
     from .errors import UserError
     from .args import ExtArgumentParser, ExtTrainingArguments, flag_problems
@@ -61,13 +61,14 @@ def ds_config(argv: list[str]) -> int:
     if problems:
         parser.error("\n".join(problems))
     try:  # --global_batch_size split over the target's ranks, as training splits it
-        write(args, batch_fields(args, args.world_size or launched_world_size(), None))
+        batch = split_batch(args, args.world_size or launched_world_size(), None)
     except UserError as err:
         parser.error(str(err))
+    write(args, batch.fields())
     try:
         resolution = resolve_checked(args, args.deepspeed or {}, world_size=args.world_size,
                                      num_training_steps=args.num_training_steps, hidden_size=args.hidden_size,
-                                     cpu_ranks=args.use_cpu)
+                                     cpu_ranks=args.use_cpu, global_batch=batch)
     except DeepSpeedConfigError as err:
         print(f"trainer-ext ds-config: error: {err}", file=sys.stderr)
         return 2

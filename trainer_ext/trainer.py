@@ -19,7 +19,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_pt_utils import find_batch_size
 
 from .training import progress
-from .backends import select_backend
+from .backends import run_settings, select_backend
 from .backends.base import OptimizerRecipe
 from .checkpoints.format import AUTO, newest_valid_checkpoint, read_data_state, read_loss_sum, resume_request
 from .data.loader import check_training_data, dataloader_with_batch_sampler, stream_dataloader
@@ -412,7 +412,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         command gave, so that its next start on another world size keeps the global batch (config/batch.py)."""
         if self._train_order is None:
             return None
-        batch = getattr(self.args, "global_batch", None)
+        batch = run_settings(self.args).global_batch
         given = batch.record() if batch is not None else given_record(self.args.per_device_train_batch_size,
                                                                        self.args.gradient_accumulation_steps)
         return {**self._train_order.state_dict(self.state.global_step), "batch_given": given}

@@ -318,7 +318,8 @@ def test_building_the_arguments_touches_nothing_stock_arguments_do_not(tmp_path)
     """ExtTrainingArguments(...) in a notebook must be a value: for DDP, a ZeRO-2 and a ZeRO-3 file, --sharded_ddp
     simple, --fsdp full_shard, --checkpoint_uri and inside a SageMaker job, building it in a fresh process changes no
     environment variable, file (a watched folder, a stale op-build lock and /dev/shm buffer) or process group beyond
-    what stock TrainingArguments with the same stock flags change; prepare_process does the set-up, once."""
+    what stock TrainingArguments with the same stock flags change; prepare_process does the set-up, once a process
+    (also for the same arguments loaded back from training_args.bin)."""
     out = run([PYTHON, REPO / "tests" / "scripts" / "args_side_effects.py", tmp_path], timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("REPORT "))[7:])
@@ -329,7 +330,7 @@ def test_building_the_arguments_touches_nothing_stock_arguments_do_not(tmp_path)
     # what stock TrainingArguments itself changes in a fresh process (docs/configuration.md says so)
     assert set(report["stock"]["fsdp full_shard"]["env"]) == {"FSDP_CPU_RAM_EFFICIENT_LOADING"}
     assert not any("group" in changed or changed["files"] for changed in report["stock"].values())
-    ddp, zero2, again = report["prepare_process"]
+    ddp, zero2, again, loaded = report["prepare_process"]
     cores = len(os.sched_getaffinity(0))
     # A DDP run's set-up: only each CPU rank's share of the cores (LOCAL_SIZE=2 above). DeepSpeed is installed but
     # does not train: neither its accelerator choice nor what its import sets (PYTORCH_NVML_BASED_CUDA_CHECK: the
@@ -341,6 +342,8 @@ def test_building_the_arguments_touches_nothing_stock_arguments_do_not(tmp_path)
     assert zero2["env"]["DS_ACCELERATOR"] == [None, "cpu"]
     assert zero2["env"].get("PYTORCH_NVML_BASED_CUDA_CHECK", [None, "1"])[1] == "1"
     assert report["world_size"] == 1 and again == {"env": {}, "files": []}
+    # the same settings loaded back in the process that prepared them: nothing again (RunSettings.prepared_in)
+    assert loaded == {"env": {}, "files": []} and len(set(report["prepared_in"])) == 1
 
 
 def test_the_old_module_paths_still_load_saved_arguments_and_scripts():

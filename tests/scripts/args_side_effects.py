@@ -3,12 +3,13 @@ construction changed: environment variables, files under a watched folder, a sta
 planted there (what DeepSpeed's leftovers clean-up removes), the process group, torch's threads. Stock
 TrainingArguments with the same stock flags is built just before, so what transformers changes itself is not counted
 against ours. Then trainer_ext.prepare_process, the one step that sets the process up, is called for DDP, then twice
-for a ZeRO-2 run.
+for a ZeRO-2 run, and for those arguments pickled and loaded (training_args.bin) in the same process.
 
 usage: python args_side_effects.py WATCHED_FOLDER"""
 
 import json
 import os
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -78,8 +79,12 @@ for name, (stock_flags, own_flags, environment) in CASES.items():
         del os.environ[key]
 # --use_cpu: a gloo group (without it accelerate would have DeepSpeed build its CPU communication op here, minutes)
 zero2 = ExtTrainingArguments(**COMMON, **CASES["deepspeed zero2 file"][0], use_cpu=True)
+loaded = []  # the arguments as training_args.bin brings them back in the process that prepared them
 report["prepare_process"] = [measured(lambda: prepare_process(built["ddp"])), measured(lambda: prepare_process(zero2)),
-                             measured(lambda: prepare_process(zero2))]
+                             measured(lambda: prepare_process(zero2)),
+                             measured(lambda: prepare_process(loaded.append(pickle.loads(pickle.dumps(zero2)))
+                                                              or loaded[0]))]
+report["prepared_in"] = [zero2.run_settings.prepared_in, loaded[0].run_settings.prepared_in, os.getpid()]
 report["world_size"] = zero2.world_size
 buffer.unlink(missing_ok=True)
 print("REPORT " + json.dumps(report))

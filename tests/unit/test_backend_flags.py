@@ -43,7 +43,9 @@ def test_what_parsing_settled_selects_the_backend_and_reaches_its_constructor(tm
     loaded = pickle.loads(pickle.dumps(args))
     assert loaded.run_settings == run and backend_class(loaded) is type(backend)
     plain = ExtTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    assert plain.run_settings == RunSettings("ddp", None, True) and select_backend(plain).settled is None
+    assert plain.run_settings == RunSettings("ddp", None, True, flags_given=frozenset({"output_dir", "use_cpu",
+                                             "report_to"}), global_batch=plain.run_settings.global_batch)
+    assert plain.run_settings.global_batch.size == 8 and select_backend(plain).settled is None
 
 
 def test_arguments_settled_for_a_backend_this_process_lacks_say_so(tmp_path):
@@ -55,3 +57,26 @@ def test_arguments_settled_for_a_backend_this_process_lacks_say_so(tmp_path):
     args.run_settings = dataclasses.replace(args.run_settings, backend="toy-ddp")
     with pytest.raises(ArgumentsError, match="settled for the backend 'toy-ddp', which is not registered"):
         select_backend(pickle.loads(pickle.dumps(args)))
+
+
+def test_arguments_keep_one_attribute_of_ours_and_old_training_args_bin_still_load(tmp_path):
+    """The flags given and the global batch live in the frozen RunSettings, the arguments' one attribute of ours (they
+    were attributes of their own until 2026-11-28): `flags_given` still reads them. A training_args.bin saved before
+    (those two attributes, a RunSettings without the newer fields) loads, selects its backend, reads as "nothing
+    recorded" and is prepared again where it is loaded. Fails if a settled value is kept beside run_settings, or an
+    old file no longer loads or selects its backend."""
+    args = ExtTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=4)
+    stock = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert set(vars(args)) - set(vars(stock)) - {f.name for f in dataclasses.fields(args)} == {"run_settings"}
+    assert args.flags_given == args.run_settings.flags_given == {"output_dir", "use_cpu", "report_to",
+                                                                  "per_device_train_batch_size"}
+    assert args.run_settings.global_batch.size == 4 and args.run_settings.prepared_in is None
+    old_run = dataclasses.replace(args.run_settings)
+    for name in ("flags_given", "global_batch", "prepared_in"):  # the fields RunSettings gained on 2026-11-28
+        object.__delattr__(old_run, name)
+    old = pickle.loads(pickle.dumps(args))
+    vars(old).update(run_settings=old_run, flags_given=frozenset({"output_dir"}),
+                     global_batch=args.run_settings.global_batch)
+    loaded = pickle.loads(pickle.dumps(old))
+    assert backend_class(loaded).name == "ddp" and select_backend(loaded).settled is None
+    assert (loaded.flags_given, loaded.run_settings.global_batch, loaded.run_settings.prepared_in) == (None, None, None)

@@ -106,7 +106,8 @@ def loading_args(rank, world_size=2, efficient=True, place_model_on_device=False
     return SimpleNamespace(fsdp="full_shard", fsdp_config={"cpu_ram_efficient_loading": efficient},
                            device=torch.device("cpu"),  # the process group formed (prepare_process)
                            process_index=rank, world_size=world_size, place_model_on_device=place_model_on_device,
-                           parallel_mode=mode, global_batch="settled when parsed", ddp_timeout=1800)
+                           parallel_mode=mode, run_settings=RunSettings(global_batch="settled when parsed"),
+                           ddp_timeout=1800)
 
 
 def test_sharded_loading_builds_the_model_empty_on_ranks_after_the_first(tmp_path, as_launched_rank):

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from trainer_ext.backends import RunSettings
 from trainer_ext.checkpoints.format import DATA_STATE, publish
 from trainer_ext.checkpoints.restarts import STOPPED, continuation, save_steps_advice
 from trainer_ext.config.batch import GlobalBatch, settle
@@ -51,14 +52,15 @@ def test_a_global_batch_the_ranks_cannot_share_is_refused_with_what_would_work()
 def test_deepspeed_takes_the_split_and_a_file_that_pins_another_is_refused():
     """Fails when DeepSpeed's file overrides the kept split (a silently different global batch), or its fields
     disagree with what the sampler and accelerate use."""
-    kept = {"global_batch": GlobalBatch(8, 2, 1, 8, 1, "--global_batch_size"), "per_device_train_batch_size": 8,
-            "gradient_accumulation_steps": 2}
-    config = resolve_deepspeed_config(kept, {"zero_optimization": {"stage": 2}}, world_size=1).config
+    flags, kept = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2}, \
+        GlobalBatch(8, 2, 1, 8, 1, "--global_batch_size")
+    config = resolve_deepspeed_config(flags, {"zero_optimization": {"stage": 2}}, world_size=1,
+                                      global_batch=kept).config
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
             config["train_batch_size"]) == (8, 2, 16)
     with pytest.raises(DeepSpeedConfigError, match=r"gradient_accumulation_steps=1 in the file cannot keep the global "
                                                    r"batch of 16 \(--global_batch_size\) on 1 rank"):
-        resolve_deepspeed_config(kept, {"gradient_accumulation_steps": 1}, world_size=1)
+        resolve_deepspeed_config(flags, {"gradient_accumulation_steps": 1}, world_size=1, global_batch=kept)
 
 
 def checkpoint(folder, step, world_size, saved_for):
@@ -91,7 +93,7 @@ def test_a_resumed_start_says_which_checkpoint_why_and_how_many_steps_it_redoes(
     (tmp_path / STOPPED).write_text(json.dumps({"step": 6, "stopped_at": 1000.0, "step_seconds": 0.5,
                                                 "save_seconds": 2.0, "why": "failed: RuntimeError: Connection closed"}))
     args = TrainingArguments(tmp_path, save_strategy="steps", save_steps=4, report_to="none")
-    args.global_batch = settle(8, 1, 1, resumed=SAME_COMMAND, resumed_from="checkpoint-4")
+    args.run_settings = RunSettings(global_batch=settle(8, 1, 1, resumed=SAME_COMMAND, resumed_from="checkpoint-4"))
     line, advice = continuation(saved, args, 1030.0)
     assert line.startswith("continuing on 1 rank (was 2) from checkpoint-4, written every --save_steps 4: 2 steps redone "
                            "(it reached step 6, then failed: RuntimeError: Connection closed); global batch 16 (the "

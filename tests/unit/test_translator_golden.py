@@ -118,12 +118,11 @@ CASES = {
     "... from --warmup_ratio": (typed(warmup_ratio=0.2), WARMUP_AUTO, dict(world_size=1, num_training_steps=100), None),
     "... from --warmup_steps 1": (typed(warmup_steps=1), WARMUP_AUTO, dict(world_size=1, num_training_steps=100), None),
     "--global_batch_size 32 kept on 2 ranks": (
-        dict(global_batch=settle(8, 1, 2, global_batch_size=32), per_device_train_batch_size=8), {},
-        dict(world_size=2, num_training_steps=100), None),
+        dict(per_device_train_batch_size=8), {},
+        dict(world_size=2, num_training_steps=100, global_batch=settle(8, 1, 2, global_batch_size=32)), None),
     "... against a file that pins the accumulation": (
-        dict(global_batch=settle(8, 1, 2, global_batch_size=32), per_device_train_batch_size=8),
-        {"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 8}, dict(world_size=2, num_training_steps=100),
-        None),
+        dict(per_device_train_batch_size=8), {"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 8},
+        dict(world_size=2, num_training_steps=100, global_batch=settle(8, 1, 2, global_batch_size=32)), None),
     "a file scheduler without params": (
         {}, {"scheduler": {"type": "WarmupDecayLR"}}, dict(world_size=1, num_training_steps=100), None),
     "... with its own step count": (

@@ -8,7 +8,7 @@ from importlib import import_module
 
 from ..errors import ArgumentsError
 from .base import Backend
-from .spec import RunSettings, given_as, missing_library
+from .spec import RunSettings, given_as, missing_library, run_settings
 
 # In order of precedence when choosing; the last one (no flag) is the default.
 BACKENDS = {
@@ -49,8 +49,8 @@ def backend_class(args) -> type[Backend]:
     """The backend these arguments settled for (RunSettings), else the one their flags select (several selected is a
     problem `selection_problems` reports)."""
     classes = backend_classes()
-    run = getattr(args, "run_settings", None)
-    if run is not None:
+    run = run_settings(args)
+    if run.backend:
         settled = next((cls for cls in classes if cls.name == run.backend), None)
         if settled is None:  # e.g. training_args.bin of a backend registered from outside, loaded without it
             raise ArgumentsError(f"these arguments were settled for the backend {run.backend!r}, which is not "
@@ -79,14 +79,22 @@ def selection_problems(args) -> list[str]:
     return problems
 
 
+def settle_batch(args, batch) -> dict:
+    """The fields for this start's split of the global batch (config.batch.GlobalBatch): the per-device batch and
+    accumulation transformers, accelerate and DeepSpeed's translator read, the batch itself kept in `run_settings`."""
+    return {**batch.fields(), "run_settings": replace(run_settings(args), global_batch=batch)}
+
+
 def settle(args, parsing: bool) -> dict:
     """The fields the selected backend settles from its flags and `run_settings`, which hands what it settled to its
-    constructor: for config.settings to write, once. `parsing`: ExtTrainingArguments, before transformers reads them;
-    else stock TrainingArguments, which transformers set up already (the backend's `prepare_process` then
-    rebuilds what it built)."""
+    constructor (with the flags given and the global batch recorded before): for config.settings to write, once.
+    `parsing`: ExtTrainingArguments, before transformers reads them; else stock TrainingArguments, which transformers
+    set up already (the backend's `prepare_process` then rebuilds what it built)."""
     cls = backend_class(args)
     fields, run = cls.settle(args)
-    return {**fields, "run_settings": replace(run, backend=cls.name, parsed=parsing)}
+    known = run_settings(args)
+    return {**fields, "run_settings": replace(run, backend=cls.name, parsed=parsing, flags_given=known.flags_given,
+                                              global_batch=known.global_batch)}
 
 
 def import_libraries_quietly(selected: type[Backend] | None = None) -> None:
@@ -105,4 +113,4 @@ def select_backend(args) -> Backend:
 
 __all__ = ["BACKENDS", "Backend", "backend_class", "backend_classes", "backend_flags", "checkpoint_state_patterns",
            "flag_classes", "given_as", "import_libraries_quietly", "missing_library", "owned_flags", "rank_written",
-           "RunSettings", "select_backend", "selection_problems", "settle"]
+           "RunSettings", "run_settings", "select_backend", "selection_problems", "settle", "settle_batch"]

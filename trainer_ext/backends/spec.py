@@ -123,24 +123,35 @@ class ConfigKeys:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What the arguments settled once for the backend they select (ExtTrainingArguments when parsed, stock
-    TrainingArguments when a process is prepared): the backend's name and what it settled from its flags (DeepSpeed:
-    the translated config's resolution; FSDP2: its FSDPSettings; None: nothing of its own), whether that was at
-    parsing (False: stock TrainingArguments, which transformers set up before anything settled them), and the
+    """What the arguments settled once, the one attribute of ours they carry (ExtTrainingArguments when parsed, stock
+    TrainingArguments when a process is prepared): the flags the user gave (`flags_given`: recorded when
+    ExtTrainingArguments is built, before anything settles; None where nothing says which were typed), the global batch
+    this start's ranks share (config.batch.GlobalBatch), the backend's name and what it settled from its flags
+    (DeepSpeed: the translated config's resolution; FSDP2: its FSDPSettings; None: nothing of its own), whether that
+    was at parsing (False: stock TrainingArguments, which transformers set up before anything settled them), the
     answer to transformers' `place_model_on_device` hook (False: the backend receives the model where it was built;
-    None: transformers decides). The backend's constructor receives it; the registry chooses the backend by it once it
-    is there."""
-    backend: str = ""
+    None: transformers decides) and the process they were prepared in (training.prepare: once per process). The
+    backend's constructor receives it; the registry chooses the backend by it once `backend` is set."""
+    backend: str = ""  # "": not settled yet (only what was given is known)
     settled: Any = None
     parsed: bool = True
     place_model_on_device: bool | None = None
+    flags_given: frozenset[str] | None = None
+    global_batch: Any = None
+    prepared_in: int | None = None  # the process id prepare_process ran in for these settings
+
+
+def run_settings(args) -> RunSettings:
+    """These arguments' RunSettings, an empty one where nothing is recorded yet (stock TrainingArguments before
+    prepare_process, a namespace): the one place that asks whether they have any."""
+    return getattr(args, "run_settings", None) or RunSettings()
 
 
 def settled_for(backend: type[BackendSpec], args) -> Any:
     """What `backend` settled for these arguments (RunSettings.settled); None where they are not settled yet, or were
     settled for another backend."""
-    run = getattr(args, "run_settings", None)
-    return run.settled if run is not None and run.backend == backend.name else None
+    run = run_settings(args)
+    return run.settled if run.backend == backend.name else None
 
 
 def given_as(backend: type[BackendSpec], args) -> str | None:
@@ -150,8 +161,7 @@ def given_as(backend: type[BackendSpec], args) -> str | None:
     value = getattr(args, backend.flag, None) if backend.flag else None
     if value and value != "false":
         return " ".join([f"--{backend.flag}", *(option_words(value) if backend.flag_takes_options else ())])
-    run = getattr(args, "run_settings", None)
-    return f"--{backend.flag}" if backend.flag and run is not None and run.backend == backend.name else None
+    return f"--{backend.flag}" if backend.flag and run_settings(args).backend == backend.name else None
 
 
 def missing_library(backend: type[BackendSpec], args) -> str | None:

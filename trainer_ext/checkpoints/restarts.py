@@ -19,6 +19,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from ..backends.spec import run_settings
 from .format import (AUTO, FRESH, MARKER, NEWEST, checkpoint_folder, newest_valid_checkpoint, read_data_state,
                      resume_request)
 
@@ -164,7 +165,7 @@ def continuation(checkpoint: Path, args, now: float) -> tuple[str, str | None]:
         count = int(stop["step"]) - step
         reached = f"it reached step {stop['step']}, then {stop.get('why') or 'stopped'}"
         redone = f"{count} step{'s' if count != 1 else ''} redone ({reached})" if count else f"no step redone ({reached})"
-    batch = getattr(args, "global_batch", None)
+    batch = run_settings(args).global_batch
     kept = f"; {batch.describe()}" if batch is not None and batch.kept_from and batch.changed else ""
     began = stop.get("stopped_at") if stop else None
     cost = now - float(began) if began else None

@@ -41,6 +41,10 @@ class GlobalBatch:
         of the same command keeps it."""
         return given_record(self.given_per_device, self.given_accumulation)
 
+    def fields(self) -> dict:
+        """The arguments' fields for this split (config/settings writes them)."""
+        return {"per_device_train_batch_size": self.per_device, "gradient_accumulation_steps": self.accumulation}
+
     def describe(self) -> str:
         """One line for the log, when the split is not the command's own."""
         lowered = (f"; the per-device batch lowered from {self.given_per_device} so the accumulation is whole"
@@ -97,12 +101,10 @@ def indivisible(target: int, source: str, world_size: int) -> str:
             f"--{GLOBAL_BATCH_FLAG} {batches} (another global batch from here on)")
 
 
-def batch_fields(args, world_size: int, resumed: tuple[str, dict] | None) -> dict:
-    """The fields to write for these arguments (config/settings.write): the settled split as `global_batch`, and the
-    per-device batch and accumulation that transformers, accelerate and DeepSpeed's translator then read. `resumed`:
-    (name, data_state.json) of the checkpoint this start resumes."""
+def split_batch(args, world_size: int, resumed: tuple[str, dict] | None) -> GlobalBatch:
+    """The global batch these arguments train with on `world_size` ranks, split (its `fields()` are what
+    transformers, accelerate and DeepSpeed's translator then read). `resumed`: (name, data_state.json) of the
+    checkpoint this start resumes."""
     where, record = resumed or ("", None)
-    batch = settle(args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size,
-                   getattr(args, GLOBAL_BATCH_FLAG, None), record, where)
-    return {"global_batch": batch, "per_device_train_batch_size": batch.per_device,
-            "gradient_accumulation_steps": batch.accumulation}
+    return settle(args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size,
+                  getattr(args, GLOBAL_BATCH_FLAG, None), record, where)

@@ -5,9 +5,11 @@ text flags read, a SageMaker job's folders, CPU ranks' device flags, what the se
 prepared for training (training/prepare.py: the same for stock TrainingArguments, which parsed nothing, and what the
 backend's `prepare_process` returns). What is written is either a field transformers itself reads (the resolved
 DeepSpeed config as `deepspeed`, the batch and rate flags a DeepSpeed file decided, `fsdp_config`, `use_cpu`,
-`output_dir`, ...), or two of ours: the global batch and `run_settings` (backends.RunSettings: which backend, what it
-settled, handed to its constructor, and where the model stays). Building ExtTrainer on arguments already settled
-writes nothing (tests/integration/test_settings_once.py)."""
+`output_dir`, ...), or our one attribute, `run_settings` (backends.RunSettings, frozen: the flags the user gave, this
+start's split of the global batch, which backend and what it settled, handed to its constructor, where the model stays,
+and the process it was prepared in). Building ExtTrainer on arguments already settled changes no field and adds no
+attribute (tests/integration/test_settings_once.py); it records the process in run_settings, so that a second
+prepare_process there does nothing and arguments loaded in another process (training_args.bin) are prepared again."""
 
 from __future__ import annotations
 

@@ -63,6 +63,7 @@ class Run:
     hidden_size: int | None
     final: bool  # False at argument time: what needs the step count or the model waits (Draft.pending)
     cpu_ranks: bool
+    global_batch: Any = None  # config/batch.py's split of the global batch (GlobalBatch), where the caller has one
 
     def flag(self, name: str) -> Any:
         return flag_value(self.args, name)
@@ -297,7 +298,7 @@ def batch(config: dict, sources: dict[str, Source], run: Run) -> Draft:
     """Micro batch and accumulation from the flags, train_batch_size their product with the world size; a file giving
     only train_batch_size has the field the user left at its default derived from it, as DeepSpeed does."""
     draft = Draft.of(config, sources)
-    kept = flag_value(run.args, "global_batch")  # config/batch.py's split, when it keeps a global batch
+    kept = run.global_batch  # config/batch.py's split, when it keeps a global batch
     if kept is not None and kept.kept_from:
         return _kept_batch(draft, kept)
     micro = _batch_field(draft, run, "train_micro_batch_size_per_gpu")

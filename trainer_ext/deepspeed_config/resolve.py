@@ -86,7 +86,7 @@ def _phase_one(config: dict, run: Run, origin: str) -> Resolution:
 
 def resolve_deepspeed_config(args: Any, config: Any = None, world_size: int | None = None,
                              num_training_steps: int | None = None, hidden_size: int | None = None,
-                             final: bool = True, cpu_ranks: bool = False) -> Resolution:
+                             final: bool = True, cpu_ranks: bool = False, global_batch: Any = None) -> Resolution:
     """Resolve flags + file into a complete config, the flags the run must use, and where each value came from.
 
     `config`: dict, JSON text, path or preset name (default: args.deepspeed, else an empty config).
@@ -94,11 +94,12 @@ def resolve_deepspeed_config(args: Any, config: Any = None, world_size: int | No
     and are listed in `pending` instead of failing. `cpu_ranks`: the ranks run on CPUs (settles the zero fields
     that depend on it, TUNED_ZERO). `world_size`: the ranks the batch fields are for; None, for a caller from Python,
     reads this process's launch (environment.launcher.resolve_world_size), the translator's one look outside its
-    arguments (trainer_ext's own callers pass the value)."""
+    arguments (trainer_ext's own callers pass the value). `global_batch`: the split of a global batch kept on this
+    world size (config.batch.split_batch: --global_batch_size, or a resumed run's), which the batch fields follow."""
     if config is None:
         config = flag_value(args, "deepspeed") or {}
     user_config, origin = load_deepspeed_config(config)
-    run = Run(args, resolve_world_size(world_size), num_training_steps, hidden_size, final, cpu_ranks)
+    run = Run(args, resolve_world_size(world_size), num_training_steps, hidden_size, final, cpu_ranks, global_batch)
     return _phase_one(user_config, run, origin)
 
 

@@ -1,15 +1,17 @@
 """The one step that readies this process to train with given arguments, which are values (building them touches no
 variable, file or process group): ExtTrainer runs it first, and so do sharded_loading and the task recipes before
-they load a model; a second call changes nothing."""
+they load a model; a second call in the same process changes nothing (RunSettings.prepared_in)."""
 
 from __future__ import annotations
 
 import logging
-import weakref
+import os
+from dataclasses import replace
 
-from ..backends import Backend, backend_class, import_libraries_quietly, rank_written, settle
+from ..backends import (Backend, backend_class, import_libraries_quietly, rank_written, run_settings, settle,
+                        settle_batch)
 from ..checkpoints.restarts import resumed_order_state
-from ..config.batch import batch_fields
+from ..config.batch import split_batch
 from ..config.settings import write
 from ..environment.launcher import (bound_collective_waits, cpu_ranks, form_process_group, launched_world_size,
                                     rendezvous_store_problem, share_cores_between_cpu_ranks, signal_when_the_agent_dies)
@@ -17,8 +19,6 @@ from ..environment.sagemaker import prepare_arguments as prepare_sagemaker_argum
 from ..environment.sagemaker import prepare_environment as prepare_sagemaker_environment
 
 logger = logging.getLogger(__name__)
-
-_PREPARED: list[weakref.ref] = []  # the arguments this process is set up for (dataclasses with eq are unhashable)
 
 
 def prepare_process(args) -> None:
@@ -30,7 +30,7 @@ def prepare_process(args) -> None:
     ranks first), the selected backend's own set-up (its prepare_process), --ddp_timeout bounding the group's
     collectives on CPU ranks too, a torchrun worker stopping with its agent, and --checkpoint_uri taking a write
     (main process: one probe object, then deleted) before any model is loaded."""
-    if args is None or any(ref() is args for ref in _PREPARED):
+    if args is None or run_settings(args).prepared_in == os.getpid():
         return  # the recipes, sharded_loading and ExtTrainer each call it: the work is done once
     # ExtTrainingArguments did when built; stock TrainingArguments not
     write(args, prepare_sagemaker_arguments(args, rank_written(args)))
@@ -41,9 +41,9 @@ def prepare_process(args) -> None:
         share_cores_between_cpu_ranks()
     if backend.needs_process_group:
         form_process_group(args)
-    if getattr(args, "global_batch", None) is None:  # stock TrainingArguments: the global batch as parsing settles it
-        write(args, batch_fields(args, launched_world_size(), resumed_order_state(args)))
-    if getattr(args, "run_settings", None) is None:  # stock TrainingArguments: the backend settled as parsing settles it
+    if run_settings(args).global_batch is None:  # stock TrainingArguments: the global batch as parsing settles it
+        write(args, settle_batch(args, split_batch(args, launched_world_size(), resumed_order_state(args))))
+    if not run_settings(args).backend:  # stock TrainingArguments: the backend settled as parsing settles it
         write(args, settle(args, parsing=False))
     write(args, backend.prepare_process(args))  # also what transformers built before that, and what the process knows
     bound_collective_waits(args)  # a peer's node lost: the collectives fail after --ddp_timeout, then a restart
@@ -51,10 +51,7 @@ def prepare_process(args) -> None:
     if (problem := rendezvous_store_problem()) and args.process_index == 0:
         logger.warning(problem)
     check_checkpoint_uri(args)
-    try:
-        _PREPARED[:] = [ref for ref in _PREPARED if ref() is not None] + [weakref.ref(args)]
-    except TypeError:  # an object without weak references (a SimpleNamespace): set up again each call, harmlessly
-        pass
+    write(args, {"run_settings": replace(run_settings(args), prepared_in=os.getpid())})
 
 
 def check_checkpoint_uri(args) -> None:
