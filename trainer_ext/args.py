@@ -18,7 +18,7 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 
 from .backends import (RunSettings, backend_class, flag_classes, missing_library, rank_written, run_settings,
-                       selection_problems, settle, settle_batch)
+                       selection_problems, settle)
 from .checkpoints.format import PATH, CheckpointNotFoundError, resume_request
 from .checkpoints.restarts import resumed_order_state
 from .config import checks
@@ -27,7 +27,7 @@ from .config.checks import (FP16_BACKENDS, FP16_OPT_LEVELS, REPORT_TO_NAMES, hub
                             read_text_flags, shown_storage_options)
 from .config.removed import advice
 from .config.settings import write
-from .environment.launcher import check_fp16_device, check_rank_variables, launched_world_size, prepare_cpu_ranks
+from .environment.launcher import check_fp16_device, check_rank_variables, prepare_cpu_ranks, resolve_world_size
 from .environment.sagemaker import prepare_arguments as prepare_sagemaker
 from .environment.sagemaker import spread_lists
 from .errors import ArgumentsError, CommandParser, UserError, debugging, unrecognized_arguments
@@ -158,12 +158,10 @@ class ExtTrainingArguments(*flag_classes(), TrainingArguments):
         if problems := flag_problems(self) + package_problems(self) + hub_problems(self):
             raise ArgumentsError("\n".join(problems))
         write(self, read_text_flags(self))
-        # The global batch over this start's ranks (--global_batch_size, or the resumed run's), before DeepSpeed's
-        # translator, transformers and accelerate read the per-device batch and accumulation.
-        write(self, settle_batch(self, split_batch(self, launched_world_size(), resumed_order_state(self))))
-        # The selected backend's settings (DeepSpeed: the config resolved against these flags), handed to it in
-        # run_settings.
-        write(self, settle(self, parsing=True))
+        # Settled once: the global batch over this start's ranks (--global_batch_size, or the resumed run's), before
+        # transformers and accelerate read the per-device batch and accumulation, and the selected backend's settings
+        # (DeepSpeed: the config resolved against these flags and that batch), handed to it in run_settings.
+        write(self, settle(self, split_batch(self, resolve_world_size(), resumed_order_state(self)), parsing=True))
         if missing := missing_library(backend_class(self), self):  # before transformers or accelerate import it
             raise ArgumentsError(missing)
         check_fp16_device(self.fp16, torch.cuda.is_available(), from_deepspeed_file=False)

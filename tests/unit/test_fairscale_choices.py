@@ -96,7 +96,8 @@ def test_offload_keeps_the_model_where_fsdp_wants_it(monkeypatch):
     args = ExtTrainingArguments(output_dir="unused", use_cpu=True, report_to="none")
     assert args.place_model_on_device is None  # transformers decides, as before
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # only CUDA machines accept it, settling it so
-    fields, run = FairScaleBackend.settle(SimpleNamespace(sharded_ddp="zero_dp_2 offload", fp16=True, bf16=False))
+    fields, run = FairScaleBackend.settle(SimpleNamespace(sharded_ddp="zero_dp_2 offload", fp16=True, bf16=False),
+                                          batch=None)
     assert fields == {"sharded_ddp": ["zero_dp_2", "offload"]} and run.place_model_on_device is False
     args.sharded_ddp, args.run_settings = fields["sharded_ddp"], replace(run, backend="fairscale")
     assert args.place_model_on_device is False

@@ -106,8 +106,10 @@ def loading_args(rank, world_size=2, efficient=True, place_model_on_device=False
     return SimpleNamespace(fsdp="full_shard", fsdp_config={"cpu_ram_efficient_loading": efficient},
                            device=torch.device("cpu"),  # the process group formed (prepare_process)
                            process_index=rank, world_size=world_size, place_model_on_device=place_model_on_device,
-                           parallel_mode=mode, run_settings=RunSettings(global_batch="settled when parsed"),
-                           ddp_timeout=1800)
+                           parallel_mode=mode, ddp_timeout=1800,
+                           run_settings=RunSettings("fsdp", resolve_settings("full_shard", {
+                               "cpu_ram_efficient_loading": efficient})[0], place_model_on_device=place_model_on_device,
+                                                    global_batch="settled when parsed"))
 
 
 def test_sharded_loading_builds_the_model_empty_on_ranks_after_the_first(tmp_path, as_launched_rank):
@@ -133,7 +135,7 @@ def test_sharded_loading_builds_the_model_empty_on_ranks_after_the_first(tmp_pat
         with sharded_loading(args):
             model = AutoModelForMaskedLM.from_pretrained(tmp_path)
         assert {p.device.type for p in model.parameters()} == {"cpu"}
-    fields, run = FSDPBackend.settle(SimpleNamespace(fsdp="full_shard", fsdp_config=None, use_cpu=True))
+    fields, run = FSDPBackend.settle(SimpleNamespace(fsdp="full_shard", fsdp_config=None, use_cpu=True), batch=None)
     assert run.place_model_on_device is False  # an empty model cannot be moved
 
 

@@ -79,22 +79,18 @@ def selection_problems(args) -> list[str]:
     return problems
 
 
-def settle_batch(args, batch) -> dict:
-    """The fields for this start's split of the global batch (config.batch.GlobalBatch): the per-device batch and
-    accumulation transformers, accelerate and DeepSpeed's translator read, the batch itself kept in `run_settings`."""
-    return {**batch.fields(), "run_settings": replace(run_settings(args), global_batch=batch)}
-
-
-def settle(args, parsing: bool) -> dict:
-    """The fields the selected backend settles from its flags and `run_settings`, which hands what it settled to its
-    constructor (with the flags given and the global batch recorded before): for config.settings to write, once.
-    `parsing`: ExtTrainingArguments, before transformers reads them; else stock TrainingArguments, which transformers
-    set up already (the backend's `prepare_process` then rebuilds what it built)."""
+def settle(args, batch, parsing: bool) -> dict:
+    """Everything the run settles, once, for config.settings to write in one go: this start's split of the global
+    batch (`batch`, config.batch.GlobalBatch: the per-device batch and accumulation transformers and accelerate read),
+    the fields the selected backend settles from its flags and that batch (a DeepSpeed file may decide the batch flags:
+    its fields win), and `run_settings`, which keeps the batch and the flags given and hands what the backend settled
+    to its constructor. `parsing`: ExtTrainingArguments, before transformers reads them; else stock
+    TrainingArguments, which transformers set up already (the backend's `prepare_process` then rebuilds what it
+    built)."""
     cls = backend_class(args)
-    fields, run = cls.settle(args)
-    known = run_settings(args)
-    return {**fields, "run_settings": replace(run, backend=cls.name, parsed=parsing, flags_given=known.flags_given,
-                                              global_batch=known.global_batch)}
+    fields, run = cls.settle(args, batch)
+    return {**batch.fields(), **fields, "run_settings": replace(
+        run, backend=cls.name, parsed=parsing, flags_given=run_settings(args).flags_given, global_batch=batch)}
 
 
 def import_libraries_quietly(selected: type[Backend] | None = None) -> None:
@@ -113,4 +109,4 @@ def select_backend(args) -> Backend:
 
 __all__ = ["BACKENDS", "Backend", "backend_class", "backend_classes", "backend_flags", "checkpoint_state_patterns",
            "flag_classes", "given_as", "import_libraries_quietly", "missing_library", "owned_flags", "rank_written",
-           "RunSettings", "run_settings", "select_backend", "selection_problems", "settle", "settle_batch"]
+           "RunSettings", "run_settings", "select_backend", "selection_problems", "settle"]

@@ -49,7 +49,7 @@ class FairScaleBackend(Backend):
         return []
 
     @classmethod
-    def settle(cls, args) -> tuple[dict, RunSettings]:
+    def settle(cls, args, batch) -> tuple[dict, RunSettings]:
         import torch
 
         options = parse_options(args.sharded_ddp)  # the option list the backend reads

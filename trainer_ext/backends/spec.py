@@ -80,12 +80,13 @@ class BackendSpec:
         return []
 
     @classmethod
-    def settle(cls, args) -> tuple[dict, RunSettings]:
+    def settle(cls, args, batch) -> tuple[dict, RunSettings]:
         """Once the flags are valid and this backend is selected, before transformers sets up the device: checks
-        that depend on this machine, then what the backend settles from its flags: (the fields transformers reads, as
-        they are to be set; RunSettings with what the backend itself settled, handed to its constructor, and where
-        the model must stay; the registry fills in its name and the moment). Values only: no variable, file or
-        process group (that is prepare_process)."""
+        that depend on this machine, then what the backend settles from its flags and `batch` (config.batch.
+        GlobalBatch: this start's split of the global batch over its `world_size` ranks, its fields not yet on the
+        arguments): (the fields transformers reads, as they are to be set; RunSettings with what the backend itself
+        settled, handed to its constructor, and where the model must stay; the registry fills in its name, the moment,
+        the flags given and the batch). Values only: no variable, file or process group (that is prepare_process)."""
         return {}, RunSettings()
 
     @classmethod

@@ -8,13 +8,12 @@ import logging
 import os
 from dataclasses import replace
 
-from ..backends import (Backend, backend_class, import_libraries_quietly, rank_written, run_settings, settle,
-                        settle_batch)
+from ..backends import Backend, backend_class, import_libraries_quietly, rank_written, run_settings, settle
 from ..checkpoints.restarts import resumed_order_state
 from ..config.batch import split_batch
 from ..config.settings import write
-from ..environment.launcher import (bound_collective_waits, cpu_ranks, form_process_group, launched_world_size,
-                                    rendezvous_store_problem, share_cores_between_cpu_ranks, signal_when_the_agent_dies)
+from ..environment.launcher import (bound_collective_waits, cpu_ranks, form_process_group, rendezvous_store_problem,
+                                    resolve_world_size, share_cores_between_cpu_ranks, signal_when_the_agent_dies)
 from ..environment.sagemaker import prepare_arguments as prepare_sagemaker_arguments
 from ..environment.sagemaker import prepare_environment as prepare_sagemaker_environment
 
@@ -41,10 +40,8 @@ def prepare_process(args) -> None:
         share_cores_between_cpu_ranks()
     if backend.needs_process_group:
         form_process_group(args)
-    if run_settings(args).global_batch is None:  # stock TrainingArguments: the global batch as parsing settles it
-        write(args, settle_batch(args, split_batch(args, launched_world_size(), resumed_order_state(args))))
-    if not run_settings(args).backend:  # stock TrainingArguments: the backend settled as parsing settles it
-        write(args, settle(args, parsing=False))
+    if not run_settings(args).backend:  # stock TrainingArguments: settled as parsing settles ExtTrainingArguments
+        write(args, settle(args, split_batch(args, resolve_world_size(), resumed_order_state(args)), parsing=False))
     write(args, backend.prepare_process(args))  # also what transformers built before that, and what the process knows
     bound_collective_waits(args)  # a peer's node lost: the collectives fail after --ddp_timeout, then a restart
     signal_when_the_agent_dies()  # a torchrun worker whose agent is killed checkpoints and stops with its group

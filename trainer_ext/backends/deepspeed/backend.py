@@ -17,7 +17,7 @@ from ...deepspeed_config import finish_deepspeed_config, resolve_deepspeed_confi
 from ...deepspeed_config.keys import HIDDEN_SIZE_AUTO, ZERO3_COST
 from ...integrations import internals
 from ..base import Backend, BackendFormula, ResolvedSettings
-from ..spec import COMPUTE, RunSettings, run_settings, settled_for
+from ..spec import COMPUTE, RunSettings, settled_for
 from .leaves import check_granularity
 from .search import CONFIG_KEYS
 
@@ -44,17 +44,16 @@ class DeepSpeedBackend(Backend):
     config_keys = CONFIG_KEYS  # deepspeed.<path> in a search space
 
     @classmethod
-    def settle(cls, args) -> tuple[dict, RunSettings]:
+    def settle(cls, args, batch) -> tuple[dict, RunSettings]:
         """Phase 1 of the translation (with DeepSpeed's own check of the file), before transformers builds its own
         DeepSpeed config from `args.deepspeed`: the flags the file decided and the config, and the resolution."""
         from .cuda_arch import check_for_deepspeed
-        from ...environment.launcher import cpu_ranks, resolve_world_size
+        from ...environment.launcher import cpu_ranks
 
         if not cpu_ranks(args):
             check_for_deepspeed()  # a TORCH_CUDA_ARCH_LIST its op builder cannot read: refused before any work
         resolution = resolve_checked(args, args.deepspeed, this_machine=True, final=False,
-                                     world_size=resolve_world_size(), cpu_ranks=cpu_ranks(args),
-                                     global_batch=run_settings(args).global_batch)
+                                     world_size=batch.world_size, cpu_ranks=cpu_ranks(args), global_batch=batch)
         return resolution_fields(resolution), RunSettings(settled=resolution)
 
     @classmethod

@@ -40,7 +40,7 @@ class FSDPBackend(Backend):
         return resolve_settings(fsdp, fsdp_config)[2]
 
     @classmethod
-    def settle(cls, args) -> tuple[dict, RunSettings]:
+    def settle(cls, args, batch) -> tuple[dict, RunSettings]:
         from ...environment.launcher import cpu_ranks
 
         settings, config, problems = resolve_settings(args.fsdp, args.fsdp_config)
