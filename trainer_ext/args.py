@@ -168,8 +168,6 @@ class ExtTrainingArguments(*flag_classes(), TrainingArguments):
         self.check_output_dir()
         self.check_paths()
         write(self, prepare_cpu_ranks(self))
-        if self.include_num_input_tokens_seen is True:  # transformers reads True as "all", padding included
-            write(self, {"include_num_input_tokens_seen": "non_padding"})
         super().__post_init__()
         write(self, backend_class(self).arguments_ready(self))
 

@@ -60,3 +60,28 @@ def test_only_the_settings_builder_assigns_to_arguments():
                                                         and t.value.id == "self" for t in node.targets):
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}: self.X = in {cls.name}")
     assert found == []
+
+
+def test_a_flag_of_ours_read_from_stock_arguments_takes_its_declared_default():
+    """ExtTrainer also trains stock TrainingArguments, which lack our own flags: where trainer_ext reads one with
+    `getattr(args, "flag", default)`, the default must be ExtTrainingArguments' own, or a stock run silently behaves
+    otherwise than the same command with ExtTrainingArguments."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    from trainer_ext import ExtTrainingArguments
+
+    stock = {f.name for f in dataclasses.fields(TrainingArguments)}
+    ours = {f.name: f.default for f in dataclasses.fields(ExtTrainingArguments) if f.name not in stock}
+    found, disagree = 0, []
+    for path in sorted((REPO / "trainer_ext").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                    and len(node.args) == 3 and isinstance(node.args[1], ast.Constant) \
+                    and node.args[1].value in ours and isinstance(node.args[2], ast.Constant):
+                found += 1
+                if node.args[2].value != ours[node.args[1].value]:
+                    disagree.append(f"{path.relative_to(REPO)}:{node.lineno}: getattr(..., {node.args[1].value!r}, "
+                                    f"{node.args[2].value!r}) but the field's default is {ours[node.args[1].value]!r}")
+    assert found >= 10 and disagree == [], disagree

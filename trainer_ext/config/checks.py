@@ -299,14 +299,17 @@ def flag_problems(args, backend_problems) -> list[str]:
 
 def read_text_flags(args) -> dict:
     """What the flags given as text stand for, once flag_problems found none: --warmup_ratio as transformers 5's
-    --warmup_steps, --class_weights as numbers, --checkpoint_storage_options as a dict, --report_to a,b as a list."""
+    --warmup_steps, --class_weights as numbers, --checkpoint_storage_options as a dict, --report_to a,b as a list,
+    --include_num_input_tokens_seen true as non_padding (transformers reads True as "all", padding included)."""
     report_to = args.report_to
     if report_to is not None and not (isinstance(report_to, str) and report_to == "".join(report_to_names(report_to))):
         report_to = report_to_names(report_to)
     return {"warmup_steps": merge_warmup_ratio(args.warmup_steps, args.warmup_ratio),
             "class_weights": parse_class_weights(args.class_weights),
             "checkpoint_storage_options": parse_storage_options(args.checkpoint_storage_options),
-            "report_to": report_to}
+            "report_to": report_to,
+            "include_num_input_tokens_seen": "non_padding" if args.include_num_input_tokens_seen is True
+            else args.include_num_input_tokens_seen}
 
 
 def value_problems(args) -> list[str]:

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 # Seconds each op took to build once in a fresh-clone CI run on 2 busy CPU cores (DeepSpeed 0.19.8, torch 2.13): what
 # the notice before a build quotes. On a GPU machine the CUDA builds were not measured.
-BUILD_SECONDS = {"deepspeed_shm_comm": 131, "fused_adam": 257, "cpu_adam": 140}
+BUILD_SECONDS = {"fused_adam": 257, "cpu_adam": 140}
 # What `trainer-ext build-ops` builds: the ops a ZeRO run loads on this accelerator, FusedAdam (the default optimizer)
 # and CPU Adam (offload_optimizer). Builders this accelerator lacks are skipped. Not the shared-memory all-reduce of CPU
 # ranks: only DeepSpeed's tensor-parallel inference calls it, and the DeepSpeed backend keeps it from loading
