@@ -80,3 +80,20 @@ def test_arguments_keep_one_attribute_of_ours_and_old_training_args_bin_still_lo
     loaded = pickle.loads(pickle.dumps(old))
     assert backend_class(loaded).name == "ddp" and select_backend(loaded).settled is None
     assert (loaded.flags_given, loaded.run_settings.global_batch, loaded.run_settings.prepared_in) == (None, None, None)
+
+
+def test_prepared_means_this_process_not_a_process_with_the_same_id(tmp_path):
+    """prepare_process runs once a process: again on arguments marked prepared by another process, also one with the
+    same pid (a container's restart, where each start gets the same small pid, loading training_args.bin). Fails if
+    the mark is the process id alone."""
+    import os
+
+    from trainer_ext import prepare_process
+    from trainer_ext.training.prepare import this_process
+
+    args = ExtTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")  # DDP: no process group
+    prepare_process(args)
+    assert args.run_settings.prepared_in == this_process()
+    args.run_settings = dataclasses.replace(args.run_settings, prepared_in=f"{os.getpid()}-an-earlier-container")
+    prepare_process(args)
+    assert args.run_settings.prepared_in == this_process()

@@ -139,7 +139,7 @@ class RunSettings:
     place_model_on_device: bool | None = None
     flags_given: frozenset[str] | None = None
     global_batch: Any = None
-    prepared_in: int | None = None  # the process id prepare_process ran in for these settings
+    prepared_in: str | None = None  # the process prepare_process ran in for these settings (training.prepare)
 
 
 def run_settings(args) -> RunSettings:

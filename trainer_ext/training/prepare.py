@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from dataclasses import replace
 
 from ..backends import Backend, backend_class, import_libraries_quietly, rank_written, run_settings, settle
@@ -19,6 +20,15 @@ from ..environment.sagemaker import prepare_environment as prepare_sagemaker_env
 
 logger = logging.getLogger(__name__)
 
+# This process among all (RunSettings.prepared_in): its id alone would repeat in containers, where every start gets
+# the same small pid, and a training_args.bin loaded there would pass for prepared.
+_THIS_PROCESS = uuid.uuid4().hex
+
+
+def this_process() -> str:
+    """This process's name for RunSettings.prepared_in: a forked child (another pid) is another process."""
+    return f"{os.getpid()}-{_THIS_PROCESS}"
+
 
 def prepare_process(args) -> None:
     """What training with `args` needs of this process, in one place: a SageMaker job's TensorBoard folder (and its
@@ -29,7 +39,7 @@ def prepare_process(args) -> None:
     ranks first), the selected backend's own set-up (its prepare_process), --ddp_timeout bounding the group's
     collectives on CPU ranks too, a torchrun worker stopping with its agent, and --checkpoint_uri taking a write
     (main process: one probe object, then deleted) before any model is loaded."""
-    if args is None or run_settings(args).prepared_in == os.getpid():
+    if args is None or run_settings(args).prepared_in == this_process():
         return  # the recipes, sharded_loading and ExtTrainer each call it: the work is done once
     # ExtTrainingArguments did when built; stock TrainingArguments not
     write(args, prepare_sagemaker_arguments(args, rank_written(args)))
@@ -48,7 +58,7 @@ def prepare_process(args) -> None:
     if (problem := rendezvous_store_problem()) and args.process_index == 0:
         logger.warning(problem)
     check_checkpoint_uri(args)
-    write(args, {"run_settings": replace(run_settings(args), prepared_in=os.getpid())})
+    write(args, {"run_settings": replace(run_settings(args), prepared_in=this_process())})
 
 
 def check_checkpoint_uri(args) -> None:
