@@ -171,6 +171,14 @@ class ExtTrainingArguments(*flag_classes(), TrainingArguments):
         super().__post_init__()
         write(self, backend_class(self).arguments_ready(self))
 
+    def __setstate__(self, state):
+        # A training_args.bin saved before 2026-11-28 kept the flags given and the global batch as attributes of their
+        # own: they join run_settings, where everything reads them now.
+        old = {name: state.pop(name) for name in ("flags_given", "global_batch") if name in state}
+        if old and state.get("run_settings") is not None:
+            state["run_settings"] = dataclasses.replace(state["run_settings"], **old)
+        self.__dict__.update(state)
+
     def to_dict(self):
         # What TensorBoard's hparams, W&B, MLflow and to_json_string record: credentials in the storage options hidden,
         # as transformers hides hub_token (the run itself uses self.checkpoint_storage_options, unchanged).

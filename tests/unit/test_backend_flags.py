@@ -62,9 +62,9 @@ def test_arguments_settled_for_a_backend_this_process_lacks_say_so(tmp_path):
 def test_arguments_keep_one_attribute_of_ours_and_old_training_args_bin_still_load(tmp_path):
     """The flags given and the global batch live in the frozen RunSettings, the arguments' one attribute of ours (they
     were attributes of their own until 2026-11-28): `flags_given` still reads them. A training_args.bin saved before
-    (those two attributes, a RunSettings without the newer fields) loads, selects its backend, reads as "nothing
-    recorded" and is prepared again where it is loaded. Fails if a settled value is kept beside run_settings, or an
-    old file no longer loads or selects its backend."""
+    (those two attributes, a RunSettings without the newer fields) loads, selects its backend, keeps both in
+    run_settings and is prepared again where it is loaded. Fails if a settled value is kept beside run_settings, or an
+    old file no longer loads, selects its backend or keeps what it recorded."""
     args = ExtTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=4)
     stock = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     assert set(vars(args)) - set(vars(stock)) - {f.name for f in dataclasses.fields(args)} == {"run_settings"}
@@ -79,7 +79,8 @@ def test_arguments_keep_one_attribute_of_ours_and_old_training_args_bin_still_lo
                      global_batch=args.run_settings.global_batch)
     loaded = pickle.loads(pickle.dumps(old))
     assert backend_class(loaded).name == "ddp" and select_backend(loaded).settled is None
-    assert (loaded.flags_given, loaded.run_settings.global_batch, loaded.run_settings.prepared_in) == (None, None, None)
+    assert loaded.flags_given == {"output_dir"} and loaded.run_settings.global_batch == args.run_settings.global_batch
+    assert loaded.run_settings.prepared_in is None and not {"flags_given", "global_batch"} & set(vars(loaded))
 
 
 def test_prepared_means_this_process_not_a_process_with_the_same_id(tmp_path):
