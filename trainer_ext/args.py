@@ -11,7 +11,7 @@ import os
 import sys
 import typing
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,8 +23,8 @@ from .checkpoints.format import PATH, CheckpointNotFoundError, resume_request
 from .checkpoints.restarts import resumed_order_state
 from .config import checks
 from .config.batch import split_batch
-from .config.checks import (FP16_BACKENDS, FP16_OPT_LEVELS, REPORT_TO_NAMES, hub_problems, package_problems,
-                            read_text_flags, shown_storage_options)
+from .config.checks import REPORT_TO_NAMES, hub_problems, package_problems, read_text_flags, shown_storage_options
+from .config.own_flags import OWN_FLAGS
 from .config.removed import advice
 from .config.settings import write
 from .environment.launcher import check_fp16_device, check_rank_variables, prepare_cpu_ranks, resolve_world_size
@@ -56,62 +56,11 @@ def flag_problems(args) -> list[str]:
     return checks.flag_problems(args, selection_problems)
 
 
-# The backends' own flags (FairScale's --sharded_ddp) are bases before TrainingArguments, so their fields follow
-# transformers' own and come before those declared here, in the order a positional call gives them.
+# Composed, not declared here: our own flags in groups by concern (config/own_flags.py: each module reads its group
+# with flags_of, from stock TrainingArguments too), then the backends' own (FairScale's --sharded_ddp), all before
+# TrainingArguments, so transformers' fields come first, then the backends', then ours.
 @dataclass
-class ExtTrainingArguments(*flag_classes(), TrainingArguments):
-    fp16_backend: str = field(
-        default="auto", metadata={"help": "Mixed precision backend for --fp16.", "choices": list(FP16_BACKENDS)}
-    )
-    fp16_opt_level: str = field(
-        default="O1", metadata={"help": "Apex AMP optimisation level.", "choices": list(FP16_OPT_LEVELS)}
-    )
-    warmup_ratio: float = field(
-        default=0.0, metadata={"help": "transformers v4 spelling: warm up over this fraction of the training steps."}
-    )
-    fresh_start: bool = field(
-        default=False, metadata={"help": "Start over even if output_dir holds checkpoints (by default a run "
-                                         "resumes from the newest complete one)."}
-    )
-    class_weights: str | None = field(
-        default=None, metadata={"help": "Classification loss weight per class, comma separated, e.g. 1.0,3.0."}
-    )
-    checkpoint_uri: str | None = field(
-        default=None, metadata={"help": "Copy every complete checkpoint here (any fsspec URL: s3://bucket/prefix, "
-                                        "gs://..., a local path); start from the newest one when output_dir has none."}
-    )
-    repeat_small_dataset: bool = field(
-        default=False, metadata={"help": "Train although one global batch is larger than the training data (each "
-                                         "step then repeats its samples); refused otherwise."}
-    )
-    checkpoint_storage_options: str | None = field(
-        default=None, metadata={"help": "fsspec options for --checkpoint_uri as JSON, e.g. "
-                                        '\'{"endpoint_url": "http://127.0.0.1:9000"}\'.'}
-    )
-    resume_weights_only: bool = field(
-        default=False, metadata={"help": "Resume a checkpoint that holds no optimizer state this backend reads (saved "
-                                         "with --save_only_model, or by another backend): its weights and step "
-                                         "continue, the optimizer state starts anew, the schedule continues at its "
-                                         "step. Refused without it."}
-    )
-    chunked_loss: bool = field(
-        default=True, metadata={"help": "Causal LMs: take the cross-entropy through lm_head a chunk of tokens at a "
-                                        "time, never building the whole logits (12 bytes a token and vocabulary "
-                                        "entry); false for a model whose forward must build them (soft-capped "
-                                        "logits: refused at the first step with this flag named)."}
-    )
-    checkpoint_dir: str | None = field(
-        default=None, metadata={"help": "Write checkpoints here and resume from here (default: output_dir; in a "
-                                        "SageMaker job, the folder synced with checkpoint_s3_uri)."}
-    )
-    global_batch_size: int | None = field(
-        default=None, metadata={"help": "Samples per optimizer step whatever the number of ranks: each start derives "
-                                        "--gradient_accumulation_steps from it (lowering the per-device batch only "
-                                        "where the accumulation would not be whole). Unset: per-device batch x "
-                                        "accumulation x ranks, and a resumed run keeps the global batch it trained "
-                                        "with on another number of ranks."}
-    )
-
+class ExtTrainingArguments(*OWN_FLAGS, *flag_classes(), TrainingArguments):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         # `class MyArgs(ExtTrainingArguments, SFTConfig)`: dataclass takes each field from the first base listing it,
@@ -152,7 +101,7 @@ class ExtTrainingArguments(*flag_classes(), TrainingArguments):
             write(self, {"bf16": not self.fp16})
         check_rank_variables()  # leftover WORLD_SIZE/RANK without a launcher: seconds, not a wait for peers forever
         # In a SageMaker job: where the model and checkpoints go (nothing elsewhere).
-        write(self, prepare_sagemaker(self, rank_written(self)))
+        write(self, prepare_sagemaker(self, self.checkpoint_dir, rank_written(self)))
         # What this machine cannot change (trainer-ext ds-config runs the same), then what the flags need here (packages,
         # the Hub).
         if problems := flag_problems(self) + package_problems(self) + hub_problems(self):

@@ -43,6 +43,7 @@ from .training.prepare import prepare_process
 from .environment.launcher import check_process_group, release_at_exit
 from .config.checks import hub_problems
 from .config.optimizer import OptimizerSettings, SchedulerSettings
+from .config.own_flags import BatchFlags, LossFlags, flags_of
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         check_process_group(self.args)
         release_at_exit(self)
         self.loss_fn = loss_fn
-        weights = class_weights if class_weights is not None else getattr(self.args, "class_weights", None)
+        weights = class_weights if class_weights is not None else flags_of(LossFlags, self.args).class_weights
         self.class_weights = [float(w) for w in weights] if weights else None
         _check_class_weights(self.class_weights, loss_fn, self.model)
         self.optimizer_settings = optimizer_settings or OptimizerSettings.from_args(self.args)
@@ -211,7 +212,8 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
         lm_head (--chunked_loss, the default): not a user's loss_fn or class weights, not a loss a trainer between
         this one and transformers' computes (TRL's: SFTTrainer has its own chunked one), not an evaluation whose
         metrics read the logits, not under torch.compile or Liger's kernels (fused already)."""
-        if not getattr(self.args, "chunked_loss", True) or self.loss_fn is not None or self.class_weights is not None:
+        if not flags_of(LossFlags, self.args).chunked_loss or self.loss_fn is not None \
+                or self.class_weights is not None:
             return False
         if self._parent_computes_loss() or (not model.training and self._logits_wanted) \
                 or self.args.torch_compile or self.args.use_liger_kernel:
@@ -380,7 +382,8 @@ class ExtTrainer(PrivateTrainerHooks, Trainer):
                     logger.warning("resuming: %s", how)
             dataloader = stream_dataloader(self, order)
         else:
-            check_global_batch(args, len(self.train_dataset), args.world_size)  # never the data repeated unasked
+            check_global_batch(args, len(self.train_dataset), args.world_size,  # never the data repeated unasked
+                               repeat=flags_of(BatchFlags, args).repeat_small_dataset)
             order = ResumableBatchSampler(
                 len(self.train_dataset), internals.train_batch_size(self), seed=args.data_seed if args.data_seed is not None
                 else args.seed, drop_last=args.dataloader_drop_last, **shape)

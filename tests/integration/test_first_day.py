@@ -277,11 +277,11 @@ def test_global_batch_against_the_data_on_any_world_size():
     from trainer_ext.data.samplers import global_batch_problem
 
     args = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=1, process_index=0)
-    assert "a global batch of 16 samples" in global_batch_problem(args, 3, world_size=2)
-    assert "--per_device_train_batch_size 1 and --gradient_accumulation_steps 1" in global_batch_problem(args, 3, 2)
-    assert global_batch_problem(args, 16, world_size=2) is None
-    args.repeat_small_dataset = True  # the user's choice: trained repeated, and said
-    assert global_batch_problem(args, 3, world_size=2) is None
+    assert "a global batch of 16 samples" in global_batch_problem(args, 3, world_size=2, repeat=False)
+    assert "--per_device_train_batch_size 1 and --gradient_accumulation_steps 1" in global_batch_problem(args, 3, 2,
+                                                                                                         False)
+    assert global_batch_problem(args, 16, world_size=2, repeat=False) is None
+    assert global_batch_problem(args, 3, world_size=2, repeat=True) is None  # the user's choice: trained repeated, said
 
 
 @pytest.mark.launch

@@ -18,6 +18,7 @@ from conftest import (BIN, REPO, _check_markers, clean_env, free_port, logged, m
 
 from trainer_ext.checkpoints.final_model import save_final_model
 from trainer_ext.checkpoints.format import MARKER, checkpoint_step, newest_valid_checkpoint
+from trainer_ext.config.own_flags import CheckpointFlags, flags_of
 from trainer_ext.config.settings import write
 from trainer_ext.environment import sagemaker
 from trainer_ext.errors import ArgumentsError
@@ -323,10 +324,13 @@ def test_job_places_model_checkpoints_and_tensorboard(in_job, monkeypatch):
     from transformers import TrainingArguments
 
     args = TrainingArguments(report_to="none")
-    assert sagemaker.prepare_arguments(args) == {"output_dir": str(in_job / "model"),
+    def prepared(args):  # as prepare_process calls it: --checkpoint_dir read from stock arguments too
+        return sagemaker.prepare_arguments(args, flags_of(CheckpointFlags, args).checkpoint_dir)
+
+    assert prepared(args) == {"output_dir": str(in_job / "model"),
                                                  "checkpoint_dir": str(in_job / "checkpoints")}
-    write(args, sagemaker.prepare_arguments(args))
-    assert sagemaker.prepare_arguments(args) == {}  # once set, nothing more
+    write(args, prepared(args))
+    assert prepared(args) == {}  # once set, nothing more
     assert "TENSORBOARD_LOGGING_DIR" not in os.environ
     sagemaker.prepare_environment()  # prepare_process's part
     assert os.environ["TENSORBOARD_LOGGING_DIR"] == str(in_job / "output" / "data" / "tensorboard")
@@ -408,15 +412,13 @@ def test_a_backend_writing_per_rank_state_on_several_hosts_needs_a_shared_checkp
     monkeypatch.setenv("SM_HOSTS", '["algo-1", "algo-2"]')
     args = type("Args", (), {"output_dir": None, "save_strategy": "steps", "sharded_ddp": None, **flags})()
     with pytest.raises(ArgumentsError, match=f"^{re.escape(said)} would stay on its own host's .*--checkpoint_dir"):
-        sagemaker.prepare_arguments(args, rank_written(args))
-    args.checkpoint_dir = "/fsx/run"
-    assert sagemaker.prepare_arguments(args, rank_written(args)) == \
-        {"output_dir": str(in_job / "model")}
+        sagemaker.prepare_arguments(args, None, rank_written(args))
+    assert sagemaker.prepare_arguments(args, "/fsx/run", rank_written(args)) == {"output_dir": str(in_job / "model")}
     for others in ({}, {"sharded_ddp": ["zero_dp_2"]}):
         plain = type("Args", (), {"output_dir": None, "save_strategy": "steps", "deepspeed": None, "fsdp": None,
                                   "sharded_ddp": None, **others})()
         assert rank_written(plain) is None
-        assert "checkpoint_dir" in sagemaker.prepare_arguments(plain, rank_written(plain))
+        assert "checkpoint_dir" in sagemaker.prepare_arguments(plain, None, rank_written(plain))
     with pytest.raises(ArgumentsError, match=f"^{re.escape(said)} would stay"):  # as a job's script parses them
         ExtTrainingArguments(save_strategy="steps", report_to="none", **flags)
     if "fsdp" in flags:  # stock TrainingArguments, as a user's own script builds them: refused at prepare_process

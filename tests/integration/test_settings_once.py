@@ -62,26 +62,36 @@ def test_only_the_settings_builder_assigns_to_arguments():
     assert found == []
 
 
-def test_a_flag_of_ours_read_from_stock_arguments_takes_its_declared_default():
-    """ExtTrainer also trains stock TrainingArguments, which lack our own flags: where trainer_ext reads one with
-    `getattr(args, "flag", default)`, the default must be ExtTrainingArguments' own, or a stock run silently behaves
-    otherwise than the same command with ExtTrainingArguments."""
+def test_a_flag_of_ours_is_read_through_its_group_with_the_declared_default():
+    """ExtTrainer also trains stock TrainingArguments, which lack our own flags: a module reading one as
+    `getattr(args, "flag", default)` kept a default of its own (chunked_loss read as False would silently train a stock
+    run otherwise than the same command with ExtTrainingArguments). Our flags are declared once, in groups
+    (config/own_flags.py), composed into ExtTrainingArguments, and read through flags_of: no module names one to
+    getattr; flags_of gives stock arguments the declared defaults and keeps a value set on them by hand."""
     import dataclasses
 
     from transformers import TrainingArguments
 
     from trainer_ext import ExtTrainingArguments
+    from trainer_ext.backends import flag_classes
+    from trainer_ext.config.own_flags import OWN_FLAGS, CheckpointFlags, LossFlags, flags_of
 
     stock = {f.name for f in dataclasses.fields(TrainingArguments)}
-    ours = {f.name: f.default for f in dataclasses.fields(ExtTrainingArguments) if f.name not in stock}
-    found, disagree = 0, []
-    for path in sorted((REPO / "trainer_ext").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
-                    and len(node.args) == 3 and isinstance(node.args[1], ast.Constant) \
-                    and node.args[1].value in ours and isinstance(node.args[2], ast.Constant):
-                found += 1
-                if node.args[2].value != ours[node.args[1].value]:
-                    disagree.append(f"{path.relative_to(REPO)}:{node.lineno}: getattr(..., {node.args[1].value!r}, "
-                                    f"{node.args[2].value!r}) but the field's default is {ours[node.args[1].value]!r}")
-    assert found >= 10 and disagree == [], disagree
+    backends = {f.name for cls in flag_classes() for f in dataclasses.fields(cls)}
+    grouped = [f.name for group in OWN_FLAGS for f in dataclasses.fields(group)]
+    ours = {f.name for f in dataclasses.fields(ExtTrainingArguments)} - stock - backends
+    assert sorted(grouped) == sorted(ours) and len(grouped) == len(set(grouped)) >= 12  # each in one group, once
+    named = [f"{path.relative_to(REPO)}:{node.lineno}: getattr(..., {node.args[1].value!r})"
+             for path in sorted((REPO / "trainer_ext").rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+             and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in ours]
+    assert named == [], "read our own flags with flags_of(group, args)"
+
+    plain = TrainingArguments(output_dir="unused", report_to="none")
+    for group in OWN_FLAGS:
+        assert flags_of(group, plain) == group()  # the declared defaults
+    assert flags_of(LossFlags, plain).chunked_loss is True and flags_of(CheckpointFlags, plain).checkpoint_dir is None
+    plain.checkpoint_dir = "/fsx/run"  # as a SageMaker job's prepare_process sets it on stock arguments
+    assert flags_of(CheckpointFlags, plain).checkpoint_dir == "/fsx/run"
+    ext = ExtTrainingArguments(output_dir="unused", report_to="none", use_cpu=True, chunked_loss=False)
+    assert flags_of(LossFlags, ext) is ext and flags_of(LossFlags, ext).chunked_loss is False

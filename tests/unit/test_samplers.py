@@ -176,27 +176,28 @@ def test_a_global_batch_larger_than_the_data_is_refused_with_a_batch_that_fits(m
     what = ("a global batch of 24 samples (--per_device_train_batch_size 4 x --gradient_accumulation_steps 3 x 2 "
             "rank(s)) is larger than the 20 training sample(s): each optimizer step would see every sample about 1.2 "
             "times")
-    assert samplers.global_batch_problem(args, 20, 2) == (
+    assert samplers.global_batch_problem(args, 20, 2, False) == (
         f"{what}: lower the batch (e.g. --gradient_accumulation_steps 2), add data, or pass --repeat_small_dataset to "
         "train on it repeated")
     with pytest.raises(UserError, match=r"^a global batch of 24 samples .* --repeat_small_dataset to train on it"):
-        samplers.check_global_batch(args, 20, 2)
-    assert samplers.global_batch_problem(args, 24, 2) is None and samplers.global_batch_problem(args, 0, 2) is None
-    samplers.check_global_batch(args, 24, 2)
+        samplers.check_global_batch(args, 20, 2, False)
+    assert samplers.global_batch_problem(args, 24, 2, False) is None
+    assert samplers.global_batch_problem(args, 0, 2, False) is None
+    samplers.check_global_batch(args, 24, 2, False)
     one = SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=1, process_index=0)
-    assert samplers.global_batch_problem(one, 1, 1).endswith(
+    assert samplers.global_batch_problem(one, 1, 1, False).endswith(
         "(e.g. --per_device_train_batch_size 1 and --gradient_accumulation_steps 1), add data, or pass "
         "--repeat_small_dataset to train on it repeated")
     fits_once = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=4, process_index=0)
-    assert "(e.g. --gradient_accumulation_steps 1)" in samplers.global_batch_problem(fits_once, 10, 2)
+    assert "(e.g. --gradient_accumulation_steps 1)" in samplers.global_batch_problem(fits_once, 10, 2, False)
     wide = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=1, process_index=0)
     assert "(e.g. --per_device_train_batch_size 5 and --gradient_accumulation_steps 1)" in \
-        samplers.global_batch_problem(wide, 20, 4)
-    repeat = SimpleNamespace(**vars(args), repeat_small_dataset=True)
-    assert samplers.global_batch_problem(repeat, 20, 2) is None and samplers.global_batch_problem(repeat, 20, 2) is None
+        samplers.global_batch_problem(wide, 20, 4, False)
+    assert samplers.global_batch_problem(args, 20, 2, True) is None and samplers.global_batch_problem(args, 20, 2, True) \
+        is None
     assert capsys.readouterr().out == f"trainer_ext: {what} (--repeat_small_dataset)\n"
     monkeypatch.setattr(samplers, "_SAID", set())
-    assert samplers.global_batch_problem(SimpleNamespace(**vars(repeat) | {"process_index": 1}), 20, 2) is None
+    assert samplers.global_batch_problem(SimpleNamespace(**vars(args) | {"process_index": 1}), 20, 2, True) is None
     assert capsys.readouterr().out == ""
 
 
@@ -216,7 +217,6 @@ def test_the_repeated_small_dataset_notice_is_flushed_when_said(monkeypatch):
     flushed = []
     monkeypatch.setattr(samplers, "_SAID", set())
     monkeypatch.setattr(sys, "stdout", Stdout())
-    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=1, process_index=0,
-                           repeat_small_dataset=True)
-    assert samplers.global_batch_problem(args, 3, 1) is None
+    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=1, process_index=0)
+    assert samplers.global_batch_problem(args, 3, 1, repeat=True) is None
     assert len(flushed) == 1 and flushed[0].startswith("trainer_ext: a global batch of 4 samples")

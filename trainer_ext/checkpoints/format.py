@@ -15,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ..config.own_flags import CheckpointFlags, flags_of
 from ..errors import UserError, UserFileNotFoundError
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class CheckpointNotFoundError(CheckpointError, UserFileNotFoundError):
 
 def checkpoint_folder(args) -> str:
     """Where a run writes and resumes its checkpoints: --checkpoint_dir (set for a SageMaker job), else output_dir."""
-    return getattr(args, "checkpoint_dir", None) or args.output_dir
+    return flags_of(CheckpointFlags, args).checkpoint_dir or args.output_dir
 
 
 def checkpoint_step(path: Path) -> int | None:

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..config.own_flags import CheckpointFlags, flags_of
 from ..errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -304,7 +305,7 @@ def room_problem(args, model) -> str | None:
     weights, optimizer = checkpoint_bytes(model, args)
     saving = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
     folder = checkpoint_folder(args)
-    flag = "--checkpoint_dir" if getattr(args, "checkpoint_dir", None) else "--output_dir"
+    flag = "--checkpoint_dir" if flags_of(CheckpointFlags, args).checkpoint_dir else "--output_dir"
     needs = [(folder, flag, weights + optimizer if saving else 0, "one checkpoint of this model needs at least "
               f"{_mib(weights + optimizer)} (weights {_mib(weights)} + optimizer state {_mib(optimizer)})")]
     if flag == "--checkpoint_dir" or not saving:
@@ -383,8 +384,8 @@ def out_of_space(err: BaseException, args, model) -> OutputDirError | None:
                 and disk[1].free < weights + optimizer):
             return None
     where = Path(written) if written else Path(folder)
-    flag = "--checkpoint_dir" if getattr(args, "checkpoint_dir", None) and Path(folder) in (where, *where.parents) \
-        else "--output_dir"
+    given = flags_of(CheckpointFlags, args).checkpoint_dir
+    flag = "--checkpoint_dir" if given and Path(folder) in (where, *where.parents) else "--output_dir"
     root = Path(folder) if flag == "--checkpoint_dir" else Path(args.output_dir)
     staged = next((part for part in where.parts if part.startswith("checkpoint-")), None) if STAGING in where.parts \
         else None

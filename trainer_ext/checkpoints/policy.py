@@ -20,6 +20,7 @@ from .format import (AUTO, DATA_STATE, FRESH, LOSS_STATE, MARKER, NEWEST, Checkp
 from .restarts import saved_for
 from .origin import data_origin, model_origin, other_data, other_model, read_origin
 from ..backends import backend_classes, given_as
+from ..config.own_flags import CheckpointFlags, flags_of
 from ..integrations import internals
 from ..environment.sagemaker import checkpoints_to_keep
 
@@ -41,12 +42,12 @@ class RunCheckpoints(TrainerCallback):
     # -- before training -------------------------------------------------------------------------------------------
     def open_remote(self) -> None:
         """--checkpoint_uri (checked by prepare_process, which ExtTrainer runs first)."""
-        uri = getattr(self.args, "checkpoint_uri", None)
-        if not uri:
+        flags = flags_of(CheckpointFlags, self.args)
+        if not flags.checkpoint_uri:
             return
         from .remote import RemoteCheckpoints
 
-        self.remote = RemoteCheckpoints(uri, getattr(self.args, "checkpoint_storage_options", None))
+        self.remote = RemoteCheckpoints(flags.checkpoint_uri, flags.checkpoint_storage_options)
 
     def clear_staging(self) -> None:
         """Checkpoint halves a killed run left in the checkpoint folder's .staging (never published, so never resumed;
@@ -58,7 +59,7 @@ class RunCheckpoints(TrainerCallback):
         """The checkpoint `train(resume_from_checkpoint=requested)` continues from; None: from scratch."""
         trainer, kind = self.trainer, resume_request(requested)
         self._origin = None  # read again for each train(): the model and data may have been replaced
-        if kind == FRESH or (kind == AUTO and getattr(self.args, "fresh_start", False)):
+        if kind == FRESH or (kind == AUTO and flags_of(CheckpointFlags, self.args).fresh_start):
             return None
         if kind in (AUTO, NEWEST):
             found = self.newest_intact(earlier_processes=kind == AUTO)
@@ -130,11 +131,11 @@ class RunCheckpoints(TrainerCallback):
         --resume_weights_only its weights and step continue, said: returns True then. A missing random state is said
         too."""
         backend, step = self.trainer.backend, json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
-        writer = writing_backend(checkpoint)
+        writer, weights_only = writing_backend(checkpoint), flags_of(CheckpointFlags, self.args).resume_weights_only
         present = all(any(checkpoint.glob(pattern)) for pattern in backend.optimizer_state)
         if present and (writer is None or writer.optimizer_state == backend.optimizer_state):
             if other_optimizer := self._other_optimizer(checkpoint, step):
-                if not getattr(self.args, "resume_weights_only", False) or not backend.resumes_weights_only:
+                if not weights_only or not backend.resumes_weights_only:
                     raise CheckpointError(other_optimizer)
                 if self.trainer.is_world_process_zero():
                     logger.warning("--resume_weights_only: %s holds another optimizer's state; its weights and step "
@@ -149,7 +150,7 @@ class RunCheckpoints(TrainerCallback):
         described = backend.settings().description
         holds = (f"was written by {writer_text(checkpoint)}, whose optimizer state {described} cannot read"
                  if other else "holds no optimizer state (saved with --save_only_model)")
-        if getattr(self.args, "resume_weights_only", False):
+        if weights_only:
             if not backend.resumes_weights_only:
                 raise CheckpointError(
                     f"--resume_weights_only: {checkpoint} {holds}, and {described} resumes only from its own "

@@ -20,6 +20,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from ..backends.spec import run_settings
+from ..config.own_flags import CheckpointFlags, flags_of
 from .format import (AUTO, FRESH, MARKER, NEWEST, checkpoint_folder, newest_valid_checkpoint, read_data_state,
                      resume_request)
 
@@ -35,7 +36,7 @@ def checkpoint_to_resume(args) -> Path | None:
     fresh start."""
     requested = args.resume_from_checkpoint
     kind = resume_request(requested)
-    if kind == FRESH or (kind == AUTO and getattr(args, "fresh_start", False)):
+    if kind == FRESH or (kind == AUTO and flags_of(CheckpointFlags, args).fresh_start):
         return None
     if kind in (AUTO, NEWEST):
         folder = checkpoint_folder(args)  # None until transformers gives output_dir its default (trainer_output)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ArgumentsError
+from .own_flags import BatchFlags, flags_of
 
 GLOBAL_BATCH_FLAG = "global_batch_size"
 
@@ -107,4 +108,4 @@ def split_batch(args, world_size: int, resumed: tuple[str, dict] | None) -> Glob
     checkpoint this start resumes."""
     where, record = resumed or ("", None)
     return settle(args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size,
-                  getattr(args, GLOBAL_BATCH_FLAG, None), record, where)
+                  flags_of(BatchFlags, args).global_batch_size, record, where)

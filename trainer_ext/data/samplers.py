@@ -113,9 +113,9 @@ class ResumableBatchSampler(torch.utils.data.Sampler):
 _SAID: set[str] = set()  # the dataloader is built more than once per run: say it once
 
 
-def global_batch_problem(args, num_samples: int, world_size: int) -> str | None:
+def global_batch_problem(args, num_samples: int, world_size: int, repeat: bool) -> str | None:
     """A global batch larger than the training data repeats every sample within one optimizer step (and calls it
-    one epoch): refused, unless --repeat_small_dataset, when it is said once instead."""
+    one epoch): refused, unless --repeat_small_dataset (`repeat`), when it is said once instead."""
     per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     batch = per_device * accumulation * world_size
     if num_samples <= 0 or batch <= num_samples:
@@ -123,7 +123,7 @@ def global_batch_problem(args, num_samples: int, world_size: int) -> str | None:
     what = (f"a global batch of {batch} samples (--per_device_train_batch_size {per_device} x "
             f"--gradient_accumulation_steps {accumulation} x {world_size} rank(s)) is larger than the {num_samples} "
             f"training sample(s): each optimizer step would see every sample about {batch / num_samples:.3g} times")
-    if getattr(args, "repeat_small_dataset", False):
+    if repeat:
         if args.process_index == 0 and what not in _SAID:
             _SAID.add(what)
             print(f"trainer_ext: {what} (--repeat_small_dataset)", flush=True)
@@ -134,7 +134,7 @@ def global_batch_problem(args, num_samples: int, world_size: int) -> str | None:
     return f"{what}: lower the batch (e.g. {fix}), add data, or pass --repeat_small_dataset to train on it repeated"
 
 
-def check_global_batch(args, num_samples: int, world_size: int) -> None:
-    problem = global_batch_problem(args, num_samples, world_size)
+def check_global_batch(args, num_samples: int, world_size: int, repeat: bool) -> None:
+    problem = global_batch_problem(args, num_samples, world_size, repeat)
     if problem:
         raise UserError(problem)

@@ -96,14 +96,15 @@ def refuse_smdistributed(environ=None) -> None:
                              f"{TORCH_DISTRIBUTED}, with --deepspeed zero3 for a model bigger than one device")
 
 
-def prepare_arguments(args, rank_written: tuple[str, str] | None = None, job: Job | None = None) -> dict:
+def prepare_arguments(args, checkpoint_dir: str | None, rank_written: tuple[str, str] | None = None,
+                      job: Job | None = None) -> dict:
     """Inside a job: refuse smdistributed; with no --output_dir hyperparameter output_dir is SM_MODEL_DIR (the final
     model, which ExtTrainer saves there when training ends, tokenizer and *_results.json); checkpoints go to the synced
-    checkpoint folder unless --checkpoint_dir says otherwise (also when --output_dir is /opt/ml/model: they would be
-    tarred into the model). `rank_written`: the selected backend's flag and what its ranks each write into a checkpoint
-    (backends.rank_written), refused on several hosts without a shared --checkpoint_dir. Returns the fields to set
-    (config.settings writes them); works on ExtTrainingArguments and on stock TrainingArguments (prepare_process calls
-    it); once they are set it returns none."""
+    checkpoint folder unless --checkpoint_dir (`checkpoint_dir`, its value) says otherwise (also when --output_dir is
+    /opt/ml/model: they would be tarred into the model). `rank_written`: the selected backend's flag and what its ranks
+    each write into a checkpoint (backends.rank_written), refused on several hosts without a shared --checkpoint_dir.
+    Returns the fields to set (config.settings writes them); works on ExtTrainingArguments and on stock
+    TrainingArguments (prepare_process calls it); once they are set it returns none."""
     job = job or current_job()
     if job is None:
         return {}
@@ -113,7 +114,7 @@ def prepare_arguments(args, rank_written: tuple[str, str] | None = None, job: Jo
         values["output_dir"] = str(job.model_dir)
         changed.append(f"output_dir is {job.model_dir} (SM_MODEL_DIR): ExtTrainer saves the final model there when "
                        "training ends")
-    if not getattr(args, "checkpoint_dir", None):
+    if not checkpoint_dir:
         refuse_rank_written_state(args, rank_written, job)
         values["checkpoint_dir"] = str(job.checkpoint_dir)  # an attribute of its own on stock TrainingArguments
         changed.append(f"checkpoints to {job.checkpoint_dir} (synced with checkpoint_s3_uri; resumed from there)")

@@ -12,6 +12,7 @@ import sys
 from importlib import import_module
 from pathlib import Path
 
+from ..config.own_flags import CheckpointFlags, flags_of
 from .space import SearchSettings, flag_word, inside_config, read_search, searchable_configs, trial_flags
 
 
@@ -62,9 +63,9 @@ def check(experiment_path: str, flags: list[str], overrides: dict) -> dict:
     _resolve_paths(settings, folder)
     problems += _requirements(settings, experiment, flags, f"{name}: ", result["warnings"])
     database = _database(settings, f"{name}: ", result["warnings"])  # said last, after the values' problems
+    stored = flags_of(CheckpointFlags, experiment.training_args).checkpoint_storage_options
     result.update(configs={flag: value for flag, value in configs.items() if value},
-                  checkpoint_uri=given.get("checkpoint_uri"),
-                  storage_options=getattr(experiment.training_args, "checkpoint_storage_options", None) or None)
+                  checkpoint_uri=given.get("checkpoint_uri"), storage_options=stored or None)
     if problems:
         problems += database
         return result
@@ -139,7 +140,7 @@ def _requirements(settings: SearchSettings, experiment, flags: list[str], name: 
         if inside_config(key) is None and any(word == flag or word.startswith(flag + "=") for word in flags):
             problems.append(f"{name}search.space: {key}: searched, and also given as {flag} on the command line: "
                             "drop one")
-    if args.fresh_start:
+    if flags_of(CheckpointFlags, args).fresh_start:
         problems.append(f"{name}hyperparameters: fresh_start: true would start interrupted trials over: remove it")
     resume = args.resume_from_checkpoint
     if isinstance(resume, str) and resume not in ("auto", "True", "true"):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config.own_flags import LossFlags, flags_of
 from ..errors import ArgumentsError, closest
 from .common import (REPO, ModelArguments, check_sample_limits, first, load_config, load_tokenizer, nearby,
                      needed_splits, say_model_saved, shipped_model, with_channels)
@@ -239,7 +240,7 @@ def setup(model_args: ModelArguments, data_args: DataArguments, training_args):
                                 else dataset for split, dataset in raw.items()})
     if "train" in raw:
         labels = same_order_as_model(labels, original)
-    weights = getattr(training_args, "class_weights", None)
+    weights = flags_of(LossFlags, training_args).class_weights
     if weights and len(weights) != len(labels):  # before the model is loaded
         raise ArgumentsError(f"--class_weights has {len(weights)} values but the training data has {len(labels)} "
                              f"labels ({', '.join(map(str, labels))}): give one weight per label, in that order")

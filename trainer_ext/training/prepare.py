@@ -12,6 +12,7 @@ from dataclasses import replace
 from ..backends import Backend, backend_class, import_libraries_quietly, rank_written, run_settings, settle
 from ..checkpoints.restarts import resumed_order_state
 from ..config.batch import split_batch
+from ..config.own_flags import CheckpointFlags, flags_of
 from ..config.settings import write
 from ..environment.launcher import (bound_collective_waits, cpu_ranks, form_process_group, rendezvous_store_problem,
                                     resolve_world_size, share_cores_between_cpu_ranks, signal_when_the_agent_dies)
@@ -42,7 +43,7 @@ def prepare_process(args) -> None:
     if args is None or run_settings(args).prepared_in == this_process():
         return  # the recipes, sharded_loading and ExtTrainer each call it: the work is done once
     # ExtTrainingArguments did when built; stock TrainingArguments not
-    write(args, prepare_sagemaker_arguments(args, rank_written(args)))
+    write(args, prepare_sagemaker_arguments(args, flags_of(CheckpointFlags, args).checkpoint_dir, rank_written(args)))
     prepare_sagemaker_environment()
     backend = backend_class(args)
     import_libraries_quietly(backend)
@@ -64,12 +65,12 @@ def prepare_process(args) -> None:
 def check_checkpoint_uri(args) -> None:
     """--checkpoint_uri takes a write, a listing and a read (by the process that saves): bad credentials, an
     unreachable endpoint or a missing bucket fail now, not at the first checkpoint hours later."""
-    uri = getattr(args, "checkpoint_uri", None)
-    if not uri or not args.should_save:
+    flags = flags_of(CheckpointFlags, args)
+    if not flags.checkpoint_uri or not args.should_save:
         return
     from ..checkpoints.remote import RemoteCheckpoints
 
-    RemoteCheckpoints(uri, getattr(args, "checkpoint_storage_options", None)).check()
+    RemoteCheckpoints(flags.checkpoint_uri, flags.checkpoint_storage_options).check()
 
 
 def sharded_loading(args):
