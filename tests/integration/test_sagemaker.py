@@ -421,6 +421,9 @@ def test_a_backend_writing_per_rank_state_on_several_hosts_needs_a_shared_checkp
         assert "checkpoint_dir" in sagemaker.prepare_arguments(plain, None, rank_written(plain))
     with pytest.raises(ArgumentsError, match=f"^{re.escape(said)} would stay"):  # as a job's script parses them
         ExtTrainingArguments(save_strategy="steps", report_to="none", **flags)
+    # a run that saves nothing writes no per-host state: not refused (save_strategy as transformers keeps it, an enum)
+    args.save_strategy = TrainingArguments(output_dir=str(tmp_path), save_strategy="no").save_strategy
+    assert sagemaker.prepare_arguments(args, None, rank_written(args))["checkpoint_dir"]
     if "fsdp" in flags:  # stock TrainingArguments, as a user's own script builds them: refused at prepare_process
         stock = TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", report_to="none")
         with pytest.raises(ArgumentsError, match="^--fsdp on 2 SageMaker hosts: each rank's optimizer shard"):

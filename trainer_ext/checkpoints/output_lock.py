@@ -256,7 +256,7 @@ def checkpoint_bytes(model, args) -> tuple[int, int]:
         return int(getattr(p, "ds_numel", p.numel())) * p.element_size()  # ZeRO-3 keeps the full count in ds_numel
 
     weights = sum(size(p) for p in (trainable if hasattr(model, "peft_config") else parameters))
-    optim = str(getattr(args.optim, "value", args.optim))
+    optim = args.optim  # transformers' OptimizerNames is a str: `in` reads its word
     moments = "adam" in optim and not any(bits in optim for bits in ("8bit", "4bit"))
     optimizer = 0 if args.save_only_model or not moments else 8 * sum(
         int(getattr(p, "ds_numel", p.numel())) for p in trainable)
@@ -303,7 +303,7 @@ def room_problem(args, model) -> str | None:
     if model is None:  # model_init builds it inside train()
         return None
     weights, optimizer = checkpoint_bytes(model, args)
-    saving = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
+    saving = args.save_strategy != "no"
     folder = checkpoint_folder(args)
     flag = "--checkpoint_dir" if flags_of(CheckpointFlags, args).checkpoint_dir else "--output_dir"
     needs = [(folder, flag, weights + optimizer if saving else 0, "one checkpoint of this model needs at least "

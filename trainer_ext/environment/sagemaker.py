@@ -139,8 +139,7 @@ def refuse_rank_written_state(args, rank_written: tuple[str, str] | None, job: J
     """A backend whose ranks each write part of a checkpoint (`rank_written`, e.g. ("--deepspeed", "each rank's
     optimizer partition")) leaves each part on its own host, and only host 1 publishes a checkpoint: on several hosts with the
     per-host checkpoint folder, a spot restart could never resume. Refused before training."""
-    saving = getattr(args.save_strategy, "value", args.save_strategy)
-    if len(job.hosts) > 1 and rank_written and saving != "no":
+    if len(job.hosts) > 1 and rank_written and args.save_strategy != "no":  # transformers' enums are strings
         flag, state = rank_written
         raise ArgumentsError(f"{flag} on {len(job.hosts)} SageMaker hosts: {state} would stay on its own host's "
                              f"{job.checkpoint_dir} and a restart could not resume; pass --checkpoint_dir on a file "

@@ -127,11 +127,10 @@ def _requirements(settings: SearchSettings, experiment, flags: list[str], name: 
     """What the rest of the file and the flags must allow: an evaluation to score, evaluations during training to
     prune on, a flag not both searched and fixed, resuming left on."""
     args, problems = experiment.training_args, []
-    strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
     if not args.do_eval:
         problems.append(f"{name}search: metric: {settings.metric} needs an evaluation after training: set "
                         "hyperparameters.do_eval: true")
-    if settings.pruner.get("type", "none") != "none" and strategy == "no":
+    if settings.pruner.get("type", "none") != "none" and args.eval_strategy == "no":  # enums of transformers: str
         problems.append(f"{name}search: pruner: {settings.pruner.get('type')} stops weak trials on evaluations during "
                         "training, and hyperparameters.eval_strategy is no: set eval_strategy: steps and eval_steps "
                         "(or epoch)")
@@ -146,7 +145,7 @@ def _requirements(settings: SearchSettings, experiment, flags: list[str], name: 
     if isinstance(resume, str) and resume not in ("auto", "True", "true"):
         problems.append(f"{name}hyperparameters: resume_from_checkpoint: {resume}: every trial would resume from it, "
                         "an interrupted one too: remove it (each trial resumes from its own newest checkpoint)")
-    if str(getattr(args.save_strategy, "value", args.save_strategy)) == "no":
+    if args.save_strategy == "no":
         warnings.append("hyperparameters.save_strategy is no: a trial that is interrupted starts over")
     return problems
 
