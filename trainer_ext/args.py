@@ -113,7 +113,7 @@ class ExtTrainingArguments(*OWN_FLAGS, *flag_classes(), TrainingArguments):
         write(self, settle(self, split_batch(self, resolve_world_size(), resumed_order_state(self)), parsing=True))
         if missing := missing_library(backend_class(self), self):  # before transformers or accelerate import it
             raise ArgumentsError(missing)
-        check_fp16_device(self.fp16, torch.cuda.is_available(), from_deepspeed_file=False)
+        check_fp16_device(self.fp16, torch.cuda.is_available())
         self.check_output_dir()
         self.check_paths()
         write(self, prepare_cpu_ranks(self))

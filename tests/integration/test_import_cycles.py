@@ -146,7 +146,6 @@ NAMES_A_BACKEND = {
                               "translator's error said as the file's",
     "trainer_ext.tasks.causal_lm": "QLoRA places the 4-bit model on the rank's device except under ZeRO-3 "
                                    "(transformers' public is_deepspeed_zero3_enabled)",
-    "trainer_ext.environment.launcher": "check_fp16_device's message says when fp16 came from a DeepSpeed file",
 }
 LIBRARIES = ("deepspeed", "fairscale")
 
@@ -175,7 +174,7 @@ def test_backend_knowledge_stays_in_backends():
     """A backend is its folder: the search reaches into a backend's config through its `config_keys`, SageMaker and
     the checkpoints read its attributes. Fails naming a module outside backends/ that names DeepSpeed or FairScale in
     its code and is not in NAMES_A_BACKEND with its reason, or an entry that no longer does (issue 46: search/space.py,
-    search/check.py and search/runner.py did)."""
+    search/check.py and search/runner.py did, and environment/launcher.py's fp16 check)."""
     outside = {module for module, path in module_names().items()
                if module.split(".")[1:2] not in (["backends"], ["deepspeed_config"], ["integrations"])
                and names_a_backend(path)}

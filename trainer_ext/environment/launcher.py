@@ -202,12 +202,12 @@ def check_process_group(args) -> None:
                         "without a GPU pass --use_cpu, or use trainer_ext.ExtTrainingArguments, which sets it")
 
 
-def check_fp16_device(fp16: bool, cuda_available: bool, from_deepspeed_file: bool) -> None:
+def check_fp16_device(fp16: bool, cuda_available: bool, where: str = "") -> None:
+    """fp16 on a machine without CUDA, refused before training; `where`: where fp16 came from, when not the flag (a
+    backend's own file says what to change in it)."""
     if fp16 and not cuda_available:
-        raise ArgumentsError(
-            "fp16 needs a CUDA device and this machine has none: use --bf16 (or fp32) on CPU"
-            + (" — fp16 comes from the DeepSpeed file's fp16.enabled: set it to \"auto\" (or use "
-               "--deepspeed zero2_minimal)" if from_deepspeed_file else ""))
+        raise ArgumentsError("fp16 needs a CUDA device and this machine has none: use --bf16 (or fp32) on CPU"
+                             + (f" — {where}" if where else ""))
 
 
 # -- elastic launches (torchrun's agent and rendezvous) ------------------------------------------------------------

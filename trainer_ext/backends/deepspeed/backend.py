@@ -594,8 +594,10 @@ def resolution_fields(resolution) -> dict:
 
     from ...environment.launcher import check_fp16_device
 
+    from_file = "fp16" in resolution.effective_flags
     check_fp16_device(resolution.config.get("fp16", {}).get("enabled") is True, torch.cuda.is_available(),
-                      "fp16" in resolution.effective_flags)
+                      "fp16 comes from the DeepSpeed file's fp16.enabled: set it to \"auto\" (or use --deepspeed "
+                      "zero2_minimal)" if from_file else "")
     return {**resolution.effective_flags, "deepspeed": resolution.config}
 
 
